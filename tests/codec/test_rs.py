@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, seed, settings
+from hypothesis import strategies as st
+
+from codec import (
+    ChunkSizeMismatchError,
+    CodecError,
+    InvalidParamsError,
+    RSCodec,
+    TooFewChunksError,
+)
+from codec import reference as ref
+
+from ._buffers import guarded
+
+SMALL_SHAPES = [(k, m) for k in range(1, 10) for m in range(1, 11 - k)]
+SIZES = [0, 1, 15, 31, 63, 64, 3181, 10001, (1 << 20) + 7]
+
+
+def _stripe(k: int, m: int, size: int, seed_: int = 0):
+    rng = np.random.default_rng(seed_ * 1000 + k * 31 + m + size)
+    data = [guarded(size, rng=rng) for _ in range(k)]
+    parity = [guarded(size) for _ in range(m)]
+    return data, parity
+
+
+@pytest.mark.parametrize(("k", "m"), SMALL_SHAPES, ids=lambda v: str(v))
+def test_every_erasure_pattern(k: int, m: int) -> None:
+    rs = RSCodec(k, m)
+    data, parity = _stripe(k, m, 3181)
+    rs.encode_into(data, parity)
+    expected = ref.encode(k, m, data)
+    for p, e in zip(parity, expected, strict=True):
+        np.testing.assert_array_equal(p, e)
+    chunks = data + parity
+    scratch = [guarded(3181) for _ in range(k + m)]
+    for lost in range(1, m + 1):
+        for erased in itertools.combinations(range(k + m), lost):
+            available = {i: chunks[i] for i in range(k + m) if i not in erased}
+            out = {i: scratch[i] for i in erased}
+            rs.decode_into(available, out)
+            for i in erased:
+                np.testing.assert_array_equal(out[i], chunks[i], err_msg=f"{k}+{m} lost {erased}")
+
+
+@pytest.mark.parametrize(("k", "m"), [(10, 4), (12, 4), (16, 4)])
+def test_wide_shapes_sampled_patterns(k: int, m: int) -> None:
+    rs = RSCodec(k, m)
+    data, parity = _stripe(k, m, 10001)
+    rs.encode_into(data, parity)
+    for p, e in zip(parity, ref.encode(k, m, data), strict=True):
+        np.testing.assert_array_equal(p, e)
+    chunks = data + parity
+    rng = np.random.default_rng(k)
+    patterns = list(itertools.combinations(range(k + m), m))
+    for idx in rng.choice(len(patterns), size=min(40, len(patterns)), replace=False):
+        erased = patterns[idx]
+        available = {i: chunks[i] for i in range(k + m) if i not in erased}
+        got = rs.decode(available, wanted=erased)
+        for i in erased:
+            np.testing.assert_array_equal(got[i], chunks[i])
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sizes_round_trip(size: int, threads: int) -> None:
+    k, m = 4, 2
+    rs = RSCodec(k, m, threads=threads)
+    data, parity = _stripe(k, m, size)
+    rs.encode_into(data, parity)
+    for p, e in zip(parity, ref.encode(k, m, data), strict=True):
+        np.testing.assert_array_equal(p, e)
+    available = {1: data[1], 3: data[3], 4: parity[0], 5: parity[1]}
+    got = rs.decode(available)
+    assert sorted(got) == [0, 2]
+    np.testing.assert_array_equal(got[0], data[0])
+    np.testing.assert_array_equal(got[2], data[2])
+
+
+def test_threads_give_same_bytes_as_one_thread() -> None:
+    rng = np.random.default_rng(7)
+    data = [rng.integers(0, 256, (3 << 20) + 5, dtype=np.uint8) for _ in range(8)]
+    one = RSCodec(8, 3).encode(data)
+    two = RSCodec(8, 3, threads=2)
+    try:
+        for a, b in zip(one, two.encode(data), strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        two.close()
+
+
+def test_matches_pyeclib_isa_l_rs_cauchy() -> None:
+    pyeclib = pytest.importorskip("pyeclib.ec_iface")
+    rng = np.random.default_rng(3)
+    for k, m in [(2, 1), (4, 2), (8, 3), (10, 4)]:
+        driver = pyeclib.ECDriver(k=k, m=m, ec_type="isa_l_rs_cauchy")
+        payload = rng.integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+        fragments = driver.encode(payload)
+        bodies = [np.frombuffer(f[80:], dtype=np.uint8) for f in fragments]
+        parity = RSCodec(k, m).encode(bodies[:k])
+        for j in range(m):
+            np.testing.assert_array_equal(parity[j], bodies[k + j], err_msg=f"{k}+{m} parity {j}")
+
+
+def test_buffer_kinds() -> None:
+    rs = RSCodec(3, 2)
+    raw = [bytes([i + 1]) * 100 for i in range(3)]
+    inputs = [raw[0], bytearray(raw[1]), memoryview(raw[2])]
+    parity = [bytearray(100), np.zeros(100, dtype=np.uint8)]
+    rs.encode_into(inputs, parity)
+    expected = ref.encode(3, 2, raw)
+    assert bytes(parity[0]) == expected[0].tobytes()
+    np.testing.assert_array_equal(parity[1], expected[1])
+    torch = pytest.importorskip("torch")
+    t = torch.arange(75, dtype=torch.float32).reshape(3, 25)
+    rows = [t[i].numpy() for i in range(3)]
+    out = rs.encode(rows)
+    np.testing.assert_array_equal(out[0], ref.encode(3, 2, [r.tobytes() for r in rows])[0])
+
+
+def test_too_few_chunks_fields() -> None:
+    rs = RSCodec(4, 2)
+    data, parity = _stripe(4, 2, 64)
+    rs.encode_into(data, parity)
+    with pytest.raises(TooFewChunksError) as info:
+        rs.decode({0: data[0], 1: data[1], 4: parity[0]})
+    assert (info.value.available, info.value.needed) == (3, 4)
+    assert isinstance(info.value, CodecError)
+
+
+def test_length_mismatch() -> None:
+    rs = RSCodec(2, 1)
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.encode([b"ab", b"abc"])
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.encode_into([b"ab", b"cd"], [bytearray(3)])
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.encode([b"ab"])
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.decode({0: b"ab", 2: b"abc"})
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.encode_into([b"ab", b"cd"], [b"xy"])  # read-only output
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.encode([np.zeros((4, 4), np.uint8)[:, 0], b"abcd"])  # not contiguous
+    assert issubclass(ChunkSizeMismatchError, ValueError)
+
+
+@pytest.mark.parametrize(("k", "m"), [(0, 1), (1, 0), (-1, 2), (200, 56), (True, 1)])
+def test_invalid_params(k: int, m: int) -> None:
+    with pytest.raises(InvalidParamsError):
+        RSCodec(k, m)
+
+
+def test_invalid_index_and_threads() -> None:
+    rs = RSCodec(2, 1)
+    with pytest.raises(InvalidParamsError):
+        rs.decode({0: b"a", 1: b"b"}, wanted=[3])
+    with pytest.raises(InvalidParamsError):
+        RSCodec(2, 1, threads=0)
+    assert issubclass(InvalidParamsError, ValueError)
+
+
+def test_decode_table_cache_and_parity_wanted() -> None:
+    rs = RSCodec(5, 3)
+    data, parity = _stripe(5, 3, 1000)
+    rs.encode_into(data, parity)
+    avail = {0: data[0], 2: data[2], 3: data[3], 5: parity[0], 7: parity[2]}
+    first = rs.decode(avail, wanted=[1, 4, 6])
+    second = rs.decode(avail, wanted=[1, 4, 6])
+    for i, want in ((1, data[1]), (4, data[4]), (6, parity[1])):
+        np.testing.assert_array_equal(first[i], want)
+        np.testing.assert_array_equal(second[i], want)
+    assert len(rs._decode_cache) == 1
+
+
+@seed(20261129)
+@settings(max_examples=60, deadline=None)
+@given(
+    km=st.sampled_from([(1, 1), (2, 1), (3, 2), (4, 4), (6, 3), (9, 1)]),
+    size=st.integers(0, 5000),
+    data_seed=st.integers(0, 2**32 - 1),
+    erase_seed=st.integers(0, 2**32 - 1),
+)
+def test_hypothesis_round_trip(km: tuple[int, int], size: int, data_seed: int, erase_seed: int):
+    k, m = km
+    rng = np.random.default_rng(data_seed)
+    data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(k)]
+    rs = RSCodec(k, m)
+    chunks = data + rs.encode(data)
+    erased = set(np.random.default_rng(erase_seed).permutation(k + m)[: m].tolist())
+    got = rs.decode({i: c for i, c in enumerate(chunks) if i not in erased}, wanted=erased)
+    for i in erased:
+        np.testing.assert_array_equal(got[i], chunks[i])
