@@ -41,7 +41,7 @@ def _candidates() -> list[str]:
 
 
 class IsaL:
-    """The loaded library with typed function pointers. Use :func:`library` to get the shared one."""
+    """The loaded library with typed function pointers; :func:`library` gives the shared one."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -56,7 +56,14 @@ class IsaL:
         self.ec_init_tables.argtypes = [ctypes.c_int, ctypes.c_int, _u8p, _u8p]
         self.ec_init_tables.restype = None
         self.ec_encode_data = lib.ec_encode_data
-        self.ec_encode_data.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _u8p, _pp, _pp]
+        self.ec_encode_data.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            _pp,
+            _pp,
+        ]
         self.ec_encode_data.restype = None
         self.gf_mul = lib.gf_mul
         self.gf_mul.argtypes = [ctypes.c_ubyte, ctypes.c_ubyte]

@@ -50,4 +50,4 @@ class TooFewChunksError(CodecError):
 
 
 class LibraryNotFoundError(CodecError, ImportError):
-    """Neither the ISA-L library of the pyeclib wheel nor a system ``libisal.so.2`` could be loaded."""
+    """Neither the pyeclib wheel's ISA-L nor a system ``libisal.so.2`` could be loaded."""

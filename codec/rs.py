@@ -54,8 +54,31 @@ def as_u8(buf: Buffer, *, writable: bool = False, what: str = "buffer") -> U8Arr
     return arr
 
 
-def _addr(arr: U8Array) -> int:
-    return int(arr.__array_interface__["data"][0])
+def _pointers(bufs: Sequence[Buffer], writable: bool, what: str) -> tuple[tuple[int, ...], int]:
+    """Addresses of ``bufs`` and their common length; the hot path of every call (~0.5 µs each).
+
+    ``c_char.from_buffer`` is the cheapest way to a writable contiguous buffer's address; read-only
+    and empty buffers take the numpy route.
+    """
+    addrs: list[int] = []
+    length = -1
+    for i, b in enumerate(bufs):
+        try:
+            n = b.nbytes if type(b) is np.ndarray else memoryview(b).nbytes
+        except TypeError as exc:
+            raise ChunkSizeMismatchError(f"{what} chunk {i} has no buffer interface") from exc
+        if length < 0:
+            length = n
+        elif n != length:
+            raise ChunkSizeMismatchError(
+                f"{what} chunks must all be one length: chunk {i} is {n} bytes, not {length}"
+            )
+        try:
+            addrs.append(ctypes.addressof(ctypes.c_char.from_buffer(b)))
+        except (TypeError, ValueError):
+            arr = as_u8(b, writable=writable, what=f"{what} chunk {i}")
+            addrs.append(int(arr.__array_interface__["data"][0]))
+    return tuple(addrs), max(length, 0)
 
 
 class _Plan:
@@ -143,14 +166,17 @@ class RSCodec:
         Raises :class:`ChunkSizeMismatchError` unless there are k data and m parity buffers, all
         the same length.
         """
-        length = self._check_len(data, self.k, "data")
-        plength = self._check_len(parity, self.m, "parity")
+        if len(data) != self.k or len(parity) != self.m:
+            raise ChunkSizeMismatchError(
+                f"expected {self.k} data and {self.m} parity chunks, got {len(data)} and "
+                f"{len(parity)}"
+            )
+        src, length = _pointers(data, False, "data")
+        dst, plength = _pointers(parity, True, "parity")
         if plength != length:
             raise ChunkSizeMismatchError(
                 f"parity chunks are {plength} bytes but data chunks are {length}"
             )
-        src = tuple(_addr(as_u8(b, what="data chunk")) for b in data)
-        dst = tuple(_addr(as_u8(b, writable=True, what="parity chunk")) for b in parity)
         self._run(self._encode_tables, src, dst, length)
 
     def decode(
@@ -186,14 +212,13 @@ class RSCodec:
             return
         chosen = tuple(sorted(int(i) for i in available)[: self.k])
         wanted = tuple(sorted(int(i) for i in out))
-        length = self._check_len([available[i] for i in chosen], self.k, "available")
-        olength = self._check_len([out[i] for i in wanted], len(wanted), "out")
+        ordered = sorted(int(i) for i in available)
+        addrs, length = _pointers([available[i] for i in ordered], False, "available")
+        src = addrs[: self.k]  # chosen: the k lowest indexes
+        dst, olength = _pointers([out[i] for i in wanted], True, "out")
         if olength != length:
             raise ChunkSizeMismatchError(f"out chunks are {olength} bytes, available are {length}")
-        tables = self._decode_tables(chosen, wanted)
-        src = tuple(_addr(as_u8(available[i], what=f"chunk {i}")) for i in chosen)
-        dst = tuple(_addr(as_u8(out[i], writable=True, what=f"out chunk {i}")) for i in wanted)
-        self._run(tables, src, dst, length)
+        self._run(self._decode_tables(chosen, wanted), src, dst, length)
 
     def close(self) -> None:
         """Stop the thread pool (if any); the codec stays usable and restarts it on demand."""
@@ -207,12 +232,7 @@ class RSCodec:
     def _check_len(self, bufs: Sequence[Buffer], count: int | None, what: str) -> int:
         if count is not None and len(bufs) != count:
             raise ChunkSizeMismatchError(f"expected {count} {what} chunks, got {len(bufs)}")
-        lengths = {memoryview(b).nbytes for b in bufs}
-        if len(lengths) > 1:
-            raise ChunkSizeMismatchError(
-                f"{what} chunks must all be one length, got lengths {sorted(lengths)}"
-            )
-        return lengths.pop() if lengths else 0
+        return _pointers(bufs, False, what)[1]
 
     def _tables(self, rows: U8Array, nrows: int) -> U8Array:
         tables = np.zeros(32 * self.k * nrows, dtype=np.uint8)
@@ -259,11 +279,13 @@ class RSCodec:
                 self._plans[key] = plan
         return plan
 
-    def _run(self, tables: U8Array, src: tuple[int, ...], dst: tuple[int, ...], length: int) -> None:
+    def _run(
+        self, tables: U8Array, src: tuple[int, ...], dst: tuple[int, ...], length: int
+    ) -> None:
         if length == 0:
             return
         pieces = self._plan(src, dst, length).pieces
-        tptr = _u8ptr(tables)
+        tptr = tables.ctypes.data
         encode = self._lib.ec_encode_data
         k, rows = len(src), len(dst)
         if len(pieces) == 1:

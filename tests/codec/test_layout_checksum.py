@@ -44,8 +44,9 @@ def test_split_pad_encode_join(n: int, k: int, chunk: int) -> None:
     chunks = padded(views, chunk)
     assert all(memoryview(c).nbytes == chunk for c in chunks)
     parity = RSCodec(k, 2).encode(chunks)
-    expected = ref.encode(k, 2, [bytes(blob[i * chunk : (i + 1) * chunk]).ljust(chunk, b"\0")
-                                 for i in range(k)])
+    expected = ref.encode(
+        k, 2, [bytes(blob[i * chunk : (i + 1) * chunk]).ljust(chunk, b"\0") for i in range(k)]
+    )
     for p, e in zip(parity, expected, strict=True):
         np.testing.assert_array_equal(p, e)
     assert bytes(join(chunks, n)) == blob

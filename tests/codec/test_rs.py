@@ -192,7 +192,7 @@ def test_hypothesis_round_trip(km: tuple[int, int], size: int, data_seed: int, e
     data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(k)]
     rs = RSCodec(k, m)
     chunks = data + rs.encode(data)
-    erased = set(np.random.default_rng(erase_seed).permutation(k + m)[: m].tolist())
+    erased = set(np.random.default_rng(erase_seed).permutation(k + m)[:m].tolist())
     got = rs.decode({i: c for i, c in enumerate(chunks) if i not in erased}, wanted=erased)
     for i in erased:
         np.testing.assert_array_equal(got[i], chunks[i])

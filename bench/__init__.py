@@ -1,0 +1,1 @@
+"""ecsnap benchmarks: each writes JSON lines to ``bench/results/`` and prints a table."""

@@ -1,0 +1,147 @@
+"""What every benchmark shares: machine facts, timing with medians, JSON lines, a table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(os.environ.get("ECSNAP_BENCH_RESULTS", Path(__file__).parent / "results"))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Machine, versions and commit: stamped on every JSON line."""
+    versions: dict[str, str | None] = {}
+    for name in ("torch", "numpy", "isal", "pyeclib", "mpi4py", "mpich"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "machine": {
+            "host": platform.node(),
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "arch": platform.machine(),
+            "kernel": platform.release(),
+        },
+        "python": platform.python_version(),
+        "versions": versions,
+        "commit": _git_commit(),
+    }
+
+
+class Recorder:
+    """Collects one run's records and appends them as JSON lines to ``bench/results/NAME.jsonl``."""
+
+    def __init__(self, name: str, params: dict[str, Any]) -> None:
+        self.name = name
+        self.run_id = uuid.uuid4().hex[:12]
+        self.stamp = {
+            "bench": name,
+            "run_id": self.run_id,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "params": params,
+            **environment(),
+        }
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, **fields: Any) -> dict[str, Any]:
+        record = {**self.stamp, **fields}
+        self.records.append(record)
+        return record
+
+    def write(self) -> Path:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"{self.name}.jsonl"
+        with path.open("a") as f:
+            for r in self.records:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+        return path
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread (p10/p90, min) of timing samples in seconds."""
+    s = sorted(samples)
+    q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+    return {"median_s": statistics.median(s), "p10_s": q[0], "p90_s": q[-1], "min_s": s[0]}
+
+
+def interleaved(
+    fns: dict[Any, Callable[[], Any]], repeats: int, warmup: int, min_time: float = 0.0
+) -> dict[Any, list[float]]:
+    """Time each callable ``repeats`` times, round-robin so drift hits all alike; drop warm-ups.
+
+    With ``min_time``, one sample runs a callable back to back until about ``min_time`` seconds
+    have passed (its count fixed after the first warm-up) and reports the time per call: short
+    calls then measure the steady state, not the timer or the cache state left by the previous one.
+    """
+    samples: dict[Any, list[float]] = {name: [] for name in fns}
+    number: dict[Any, int] = {}
+    for i in range(max(warmup, 1) + repeats):
+        for name, fn in fns.items():
+            n = number.get(name, 1)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            dt = (time.perf_counter() - t0) / n
+            if name not in number:
+                number[name] = max(1, int(min_time / dt)) if dt > 0 else 1
+            elif i >= max(warmup, 1):
+                samples[name].append(dt)
+    return samples
+
+
+def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
+    """A plain fixed-width table for the terminal."""
+    cells = [[str(h) for h in header]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def size_label(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
