@@ -1,0 +1,351 @@
+"""The trainer's side: ``connect`` to the host's daemon, then ``put`` / ``get`` snapshots.
+
+Call sequence, on every training rank::
+
+    store = storage.connect("myjob", rank=rank, world_size=world_size)
+    handle = store.put(step, state_dict)   # returns while the copy into shared memory runs
+    handle.staged.result()                 # before the next optimizer step changes the tensors
+    ...
+    state = store.get()                    # the newest protected step, this rank's shard
+
+Each rank puts only its own shard; a step becomes protected (visible to ``get``, ``steps`` and
+``latest_step`` on every host) once all ``world_size`` ranks have put it and its parity is stored.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage import state as _state
+from storage.config import DEFAULT_ROOT, check_name, host_dir
+from storage.errors import DaemonUnavailableError, StorageError, from_wire
+from transport import control, shm
+from transport.errors import ProtocolError
+
+__all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """Where a step stands: which ranks are staged, whether it is protected, where and how big."""
+
+    step: int
+    state: str  # staging | ready | encoding | protected | failed
+    world_size: int
+    ranks_staged: list[int]
+    hosts: list[str]
+    data_bytes: int
+    parity_bytes: int
+
+    @property
+    def protected(self) -> bool:
+        return self.state == "protected"
+
+
+class SaveHandle:
+    """The two futures of one ``put``.
+
+    ``staged`` resolves (to the step) when this rank's bytes are in daemon memory: from then on the
+    caller may change its tensors. ``protected`` resolves when every rank's shard of the step is
+    staged and its parity is stored: the step then survives any m host losses per group. Either
+    future carries the :class:`StorageError` if that stage fails.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.staged: Future[int] = Future()
+        self.protected: Future[int] = Future()
+        self.t_put = time.perf_counter()
+        self.t_staged: float | None = None
+        self.t_protected: float | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until protected; return the step or raise the failure."""
+        return self.protected.result(timeout)
+
+    def __repr__(self) -> str:
+        state = (
+            "protected" if self.protected.done() else "staged" if self.staged.done() else "staging"
+        )
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+class Store:
+    """A trainer rank's connection to its host's daemon. Thread-safe; a context manager.
+
+    Use :func:`connect` to make one.
+    """
+
+    def __init__(
+        self, job: str, *, rank: int, world_size: int, host: str, root: Path, timeout: float
+    ) -> None:
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.host, self.root, self.timeout = host, root, timeout
+        self.socket_path = host_dir(root, job, host) / "ctl.sock"
+        self._lock = threading.Lock()
+        self._conn = self._open()
+        self._maps: dict[str, shm.MappedFile] = {}
+        self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
+        self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
+        self._closed = False
+        info = self._request({"op": "hello", "job": job, "rank": rank})
+        self.daemon_host: str = info["host"]
+        self.hosts: list[str] = info["hosts"]
+        self.k, self.m = int(info["k"]), int(info["m"])
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _open(self) -> control.Connection:
+        deadline = time.monotonic() + self.timeout
+        delay = 0.02
+        last: Exception | None = None
+        while True:
+            try:
+                return control.connect(self.socket_path)
+            except OSError as exc:
+                last = exc
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailableError(
+                    f"no ecsnap daemon for job {self.job!r} on host {self.host!r} answered at "
+                    f"{self.socket_path} within {self.timeout:.0f}s ({last}); start it with "
+                    f"`mpiexec -n HOSTS ecsnap serve --job {self.job}`"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _request(
+        self, message: dict[str, Any], conn: control.Connection | None = None
+    ) -> dict[str, Any]:
+        try:
+            if conn is None:
+                with self._lock:
+                    reply = self._conn.request(message)
+            else:
+                reply = conn.request(message)
+        except (OSError, ProtocolError) as exc:
+            raise DaemonUnavailableError(f"lost the daemon at {self.socket_path}: {exc}") from exc
+        if reply is None:
+            raise DaemonUnavailableError(f"the daemon at {self.socket_path} closed the connection")
+        if not reply.get("ok", False):
+            raise from_wire(reply)
+        return reply
+
+    def _map(self, path: str, size: int) -> shm.MappedFile:
+        mf = self._maps.get(path)
+        if mf is None or mf.size != size:
+            if mf is not None:
+                mf.close()
+            mf = shm.MappedFile(path, size, populate=True)
+            self._maps[path] = mf
+        return mf
+
+    # -- the public calls -------------------------------------------------------------------------
+
+    def put(self, step: int, state_dict: Any) -> SaveHandle:
+        """Snapshot this rank's ``state_dict`` as ``step``; return at once with a handle.
+
+        Raises now, before anything is stored: :class:`UnsupportedTypeError` (naming the key path),
+        :class:`StepExistsError` (this rank already put ``step``), :class:`CapacityError` (over the
+        host's memory budget), ``ValueError`` for a negative or non-int step. Tensors must not
+        change until ``handle.staged`` resolves.
+
+        >>> h = store.put(10, {"w": torch.zeros(4)})   # doctest: +SKIP
+        >>> h.wait()                                     # doctest: +SKIP
+        10
+        """
+        self._check_open()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        skeleton, leaves, nbytes = _state.flatten(state_dict)
+        handle = SaveHandle(step)
+        alloc = self._request(
+            {
+                "op": "alloc",
+                "step": step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "nbytes": nbytes,
+            }
+        )
+        meta = {"skeleton": skeleton, "leaves": [leaf.meta() for leaf in leaves]}
+        self._bg.submit(self._stage, handle, leaves, nbytes, alloc, meta)
+        return handle
+
+    def _stage(
+        self,
+        handle: SaveHandle,
+        leaves: list[_state.Leaf],
+        nbytes: int,
+        alloc: dict[str, Any],
+        meta: dict[str, Any],
+    ) -> None:
+        try:
+            mf = self._map(alloc["path"], int(alloc["size"]))
+            _state.stage(leaves, mf.array[:nbytes], self._copy_pool)
+            self._request(
+                {
+                    "op": "staged",
+                    "step": handle.step,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "buffer": alloc["buffer"],
+                    "nbytes": nbytes,
+                    "meta": meta,
+                }
+            )
+        except BaseException as exc:
+            try:
+                self._request({"op": "abort", "step": handle.step, "rank": self.rank})
+            except StorageError:
+                pass
+            handle.staged.set_exception(exc)
+            handle.protected.set_exception(exc)
+            return
+        handle.t_staged = time.perf_counter()
+        handle.staged.set_result(handle.step)
+        try:
+            conn = self._open()
+            try:
+                self._request({"op": "wait", "step": handle.step, "timeout": None}, conn)
+            finally:
+                conn.close()
+        except BaseException as exc:
+            handle.protected.set_exception(exc)
+            return
+        handle.t_protected = time.perf_counter()
+        handle.protected.set_result(handle.step)
+
+    def get(self, step: int | None = None, *, rank: int | None = None) -> Any:
+        """The state dict ``rank`` (default: this rank) put at ``step`` (default: newest protected).
+
+        Works from any host: a shard held elsewhere is fetched by the daemons. Tensors and arrays
+        come back as new CPU copies that nothing else references (valid forever, safe to change),
+        in the same nested structure, bit-exact. Raises :class:`StepNotFoundError` if the step is
+        not protected.
+        """
+        self._check_open()
+        rank = self.rank if rank is None else rank
+        reply = self._request({"op": "get", "step": step, "rank": rank})
+        path, size, nbytes = reply["path"], int(reply["size"]), int(reply["nbytes"])
+        if reply.get("temp"):
+            try:
+                with shm.MappedFile(path, size, populate=True) as mf:
+                    return _state.unflatten(
+                        reply["meta"]["skeleton"],
+                        reply["meta"]["leaves"],
+                        mf.array[:nbytes],
+                        self._copy_pool,
+                    )
+            finally:
+                self._request({"op": "release", "path": path})
+        mf = self._map(path, size)
+        return _state.unflatten(
+            reply["meta"]["skeleton"], reply["meta"]["leaves"], mf.array[:nbytes], self._copy_pool
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest protected step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def steps(self) -> list[int]:
+        """Protected steps, ascending."""
+        self._check_open()
+        return [int(s) for s in self._request({"op": "steps"})["steps"]]
+
+    def status(self, step: int) -> StepStatus:
+        """Where ``step`` stands; :class:`StepNotFoundError` if no daemon holds it."""
+        self._check_open()
+        r = self._request({"op": "status", "step": step})
+        return StepStatus(
+            step=r["step"],
+            state=r["state"],
+            world_size=r["world_size"],
+            ranks_staged=r["ranks_staged"],
+            hosts=r["hosts"],
+            data_bytes=r["data_bytes"],
+            parity_bytes=r["parity_bytes"],
+        )
+
+    def delete(self, step: int) -> None:
+        """Drop ``step`` on every host; :class:`StepNotFoundError` if no daemon holds it."""
+        self._check_open()
+        self._request({"op": "delete", "step": step})
+
+    def info(self) -> dict[str, Any]:
+        """The host daemon's counters (bytes held and moved), for benchmarks and status."""
+        return self._request({"op": "info"})
+
+    def close(self) -> None:
+        """Wait for puts in flight to finish staging, then close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bg.shutdown(wait=True)
+        self._copy_pool.shutdown(wait=True)
+        self._conn.close()
+        for mf in self._maps.values():
+            mf.close()
+        self._maps.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("this Store is closed")
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(
+    job: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    host: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+    timeout: float = 60.0,
+) -> Store:
+    """Connect this training rank to the daemon of its host.
+
+    Defaults: ``job`` from ``ECSNAP_JOB``; ``rank`` / ``world_size`` from ``RANK`` / ``WORLD_SIZE``
+    (torchrun), ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` (Open MPI) or ``PMI_RANK`` / ``PMI_SIZE``
+    (MPICH); ``host`` from ``ECSNAP_HOST``, else the machine's hostname; ``root`` from
+    ``ECSNAP_ROOT``, else ``/dev/shm/ecsnap``. Waits up to ``timeout`` seconds for the daemon,
+    then raises :class:`DaemonUnavailableError`.
+
+    >>> with connect("myjob", rank=0, world_size=1) as store:   # doctest: +SKIP
+    ...     store.put(0, {"w": torch.ones(3)}).wait()
+    """
+    job = job or os.environ.get("ECSNAP_JOB")
+    if not job:
+        raise StorageError("no job name: pass job= or set ECSNAP_JOB")
+    check_name("job", job)
+    if rank is None:
+        rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if rank is None or world_size is None:
+        raise StorageError("rank and world_size unknown: pass them or set RANK and WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise StorageError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
+    host = host or os.environ.get("ECSNAP_HOST") or socket.gethostname().split(".")[0]
+    root_path = Path(root or os.environ.get("ECSNAP_ROOT") or DEFAULT_ROOT)
+    return Store(job, rank=rank, world_size=world_size, host=host, root=root_path, timeout=timeout)

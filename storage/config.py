@@ -1,0 +1,62 @@
+"""Daemon configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.errors import ConfigError
+
+__all__ = ["DEFAULT_ROOT", "ServeConfig", "check_name", "host_dir"]
+
+DEFAULT_ROOT = "/dev/shm/ecsnap"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """A job or host name is a path component: letters, digits, ``_.-``, at most 64 characters."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigError(
+            f"{kind} name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def host_dir(root: str | os.PathLike[str], job: str, host: str) -> Path:
+    return Path(root) / check_name("job", job) / check_name("host", host)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    job: str
+    root: Path = Path(DEFAULT_ROOT)
+    k: int | None = None
+    m: int | None = None
+    chunk_bytes: int = 1 << 20
+    keep: int = 2
+    memory_budget: int | None = None
+    virtual_hosts: tuple[str, ...] | None = None  # () means host0..host{H-1}
+    metrics_port: int | None = None
+    peer_timeout: float = 120.0
+    window: int = 16  # stripes per pipelined exchange window
+    encode_threads: int = 2
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+        if (self.k is None) != (self.m is None):
+            raise ConfigError("give both --k and --m, or neither for defaults from the host count")
+        if not 4096 <= self.chunk_bytes <= (1 << 30):
+            raise ConfigError(f"--chunk-bytes must be in 4 KiB..1 GiB, got {self.chunk_bytes}")
+        if self.keep < 1:
+            raise ConfigError(f"--keep must be >= 1 (the newest protected step), got {self.keep}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"--memory-budget must be positive, got {self.memory_budget}")
+        if self.peer_timeout <= 0:
+            raise ConfigError("--peer-timeout must be positive")
+        for name in self.virtual_hosts or ():
+            check_name("host", name)
+        if self.virtual_hosts and len(set(self.virtual_hosts)) != len(self.virtual_hosts):
+            raise ConfigError(f"--virtual-hosts names a host twice: {','.join(self.virtual_hosts)}")

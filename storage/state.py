@@ -1,0 +1,318 @@
+"""What a state dict may hold, and how it becomes one shard: a JSON skeleton plus raw bytes.
+
+A shard is a byte buffer holding every tensor and array leaf at a 64-byte aligned offset, and a
+JSON *skeleton* for the structure and the small leaves (numbers, strings, bytes, None). Nothing is
+pickled, ever: a value of any other type raises :class:`UnsupportedTypeError` naming its key path,
+before a byte is stored.
+
+Supported: nested dict / OrderedDict / list / tuple / torch.Size; torch tensors of every dtype
+(bfloat16 and float8 included), any shape, zero-size, non-contiguous (stored contiguous);
+numpy arrays and scalars without object fields; int, float (bit-exact), bool, str, bytes, None,
+torch.dtype, torch.device. That covers model, optimizer and LR-scheduler state dicts, RNG states
+(``torch.get_rng_state()``, numpy's ``bit_generator.state``, ``random.getstate()``) and
+torchdata's StatefulDataLoader. Tensors sharing storage are stored once each (sharing is not
+restored).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from storage.errors import UnsupportedTypeError
+
+__all__ = ["Leaf", "copy_pieces", "flatten", "unflatten"]
+
+ALIGN = 64
+_PARALLEL_MIN = 32 << 20  # below this one thread copies faster than two
+_PIECE = 16 << 20
+
+
+@dataclass
+class Leaf:
+    """One tensor or array of a shard: where its bytes go and what they are."""
+
+    kind: str  # "torch" | "numpy"
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    source: Any = None  # the object to copy from (put side only)
+    requires_grad: bool = False
+    device: str = "cpu"
+
+    def meta(self) -> dict[str, Any]:
+        out = {
+            "k": self.kind,
+            "dt": self.dtype,
+            "sh": self.shape,
+            "o": self.offset,
+            "n": self.nbytes,
+        }
+        if self.requires_grad:
+            out["rg"] = True
+        if self.device != "cpu":
+            out["dev"] = self.device
+        return out
+
+    @staticmethod
+    def from_meta(meta: dict[str, Any]) -> Leaf:
+        return Leaf(
+            kind=meta["k"],
+            dtype=meta["dt"],
+            shape=list(meta["sh"]),
+            offset=meta["o"],
+            nbytes=meta["n"],
+            requires_grad=bool(meta.get("rg", False)),
+            device=str(meta.get("dev", "cpu")),
+        )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedTypeError(f"unknown torch dtype {name!r} in a stored shard")
+    return dtype
+
+
+def _np_dtype_descr(dtype: np.dtype[Any]) -> Any:
+    return np.lib.format.dtype_to_descr(dtype)
+
+
+def _np_dtype(descr: Any) -> np.dtype[Any]:
+    if isinstance(descr, list):
+        descr = [tuple(d) if isinstance(d, list) else d for d in descr]
+        descr = [(d[0], _fix(d[1]), *d[2:]) if isinstance(d, tuple) else d for d in descr]
+    return np.lib.format.descr_to_dtype(descr)
+
+
+def _fix(x: Any) -> Any:
+    if isinstance(x, list):
+        return [tuple(d) if isinstance(d, list) else d for d in x]
+    return x
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.offset = 0
+
+    def _leaf(self, leaf: Leaf) -> int:
+        self.leaves.append(leaf)
+        self.offset = -(-(self.offset + leaf.nbytes) // ALIGN) * ALIGN
+        return len(self.leaves) - 1
+
+    def node(self, value: Any, path: str) -> Any:
+        t = type(value)
+        if value is None:
+            return {"n": 0}
+        if t is bool:
+            return {"b": value}
+        if t is int:
+            return {"i": value}
+        if t is float:
+            return {"f": value.hex()}
+        if t is str:
+            return {"s": value}
+        if t is bytes or t is bytearray:
+            return {"y": base64.b64encode(value).decode(), "ba": t is bytearray}
+        if isinstance(value, torch.Tensor):
+            return {"T": self._tensor(value, path)}
+        if t is np.ndarray:
+            return {"N": self._array(value, path)}
+        if isinstance(value, np.generic) and not isinstance(value, np.object_):
+            arr = np.asarray(value)
+            if arr.dtype.hasobject:
+                raise UnsupportedTypeError(f"{path}: numpy scalar of object dtype", path)
+            return {"ns": [_np_dtype_descr(arr.dtype), base64.b64encode(arr.tobytes()).decode()]}
+        if isinstance(value, torch.dtype):
+            return {"dt": str(value)}
+        if isinstance(value, torch.device):
+            return {"dev": str(value)}
+        if t is torch.Size:
+            return {"size": list(value)}
+        if t is dict or t is collections.OrderedDict:
+            items = []
+            for key, item in value.items():
+                key_node = self.key(key, path)
+                items.append([key_node, self.node(item, f"{path}[{key!r}]")])
+            return {"od" if t is collections.OrderedDict else "d": items}
+        if t is list:
+            return {"l": [self.node(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        if t is tuple:
+            return {"t": [self.node(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+        raise UnsupportedTypeError(
+            f"{path or 'state'}: values of type {t.__module__}.{t.__qualname__} are not stored "
+            "(ecsnap never pickles); convert it to tensors, arrays, numbers, strings or "
+            "containers of them",
+            path or "state",
+        )
+
+    def key(self, key: Any, path: str) -> Any:
+        if key is None or type(key) in (bool, int, float, str, bytes):
+            return self.node(key, path)
+        if type(key) is tuple:
+            return {"t": [self.key(k, path) for k in key]}
+        raise UnsupportedTypeError(
+            f"{path}: dict key {key!r} of type {type(key).__name__}", path or "state"
+        )
+
+    def _tensor(self, t: torch.Tensor, path: str) -> int:
+        if t.layout != torch.strided:
+            raise UnsupportedTypeError(f"{path}: {t.layout} tensors are not stored", path)
+        if t.is_quantized:
+            raise UnsupportedTypeError(f"{path}: quantized tensors are not stored", path)
+        if t.device.type == "meta":
+            raise UnsupportedTypeError(f"{path}: meta tensors hold no data", path)
+        leaf = Leaf(
+            kind="torch",
+            dtype=str(t.dtype),
+            shape=list(t.shape),
+            offset=self.offset,
+            nbytes=t.numel() * t.element_size(),
+            source=t,
+            requires_grad=bool(t.requires_grad),
+            device=str(t.device),
+        )
+        return self._leaf(leaf)
+
+    def _array(self, a: np.ndarray[Any, Any], path: str) -> int:
+        if a.dtype.hasobject:
+            raise UnsupportedTypeError(f"{path}: numpy arrays of object dtype are not stored", path)
+        leaf = Leaf(
+            kind="numpy",
+            dtype=_np_dtype_descr(a.dtype),
+            shape=list(a.shape),
+            offset=self.offset,
+            nbytes=a.nbytes,
+            source=a,
+        )
+        return self._leaf(leaf)
+
+
+def flatten(state: Any) -> tuple[Any, list[Leaf], int]:
+    """(skeleton, leaves, shard bytes) of ``state``; raises :class:`UnsupportedTypeError`."""
+    f = _Flattener()
+    skeleton = f.node(state, "")
+    return skeleton, f.leaves, f.offset
+
+
+def _source_bytes(leaf: Leaf) -> np.ndarray[Any, Any]:
+    """A flat uint8 numpy view of a leaf's bytes (a contiguous copy only where needed)."""
+    src = leaf.source
+    if isinstance(src, torch.Tensor):
+        t = src.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel() == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return t.reshape(-1).view(torch.uint8).numpy()
+    arr = np.ascontiguousarray(src)
+    return arr.reshape(-1).view(np.uint8)
+
+
+def copy_pieces(
+    jobs: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]], pool: ThreadPoolExecutor | None
+) -> None:
+    """``np.copyto(dst, src)`` for every pair, big ones cut in pieces over ``pool``'s threads.
+
+    numpy drops the GIL for plain copies, so two threads use both cores.
+    """
+    total = sum(src.nbytes for _, src in jobs)
+    if pool is None or total < _PARALLEL_MIN:
+        for dst, src in jobs:
+            np.copyto(dst, src)
+        return
+    futures = []
+    for dst, src in jobs:
+        n = src.nbytes
+        for o in range(0, n, _PIECE):
+            e = min(n, o + _PIECE)
+            futures.append(pool.submit(np.copyto, dst[o:e], src[o:e]))
+    for f in futures:
+        f.result()
+
+
+def stage(leaves: list[Leaf], dest: np.ndarray[Any, Any], pool: ThreadPoolExecutor | None) -> None:
+    """Copy every leaf into ``dest`` (the shard's shared-memory view) at its offset."""
+    jobs = []
+    for leaf in leaves:
+        if leaf.nbytes:
+            jobs.append((dest[leaf.offset : leaf.offset + leaf.nbytes], _source_bytes(leaf)))
+    copy_pieces(jobs, pool)
+
+
+def unflatten(
+    skeleton: Any,
+    leaf_meta: list[dict[str, Any]],
+    data: np.ndarray[Any, Any],
+    pool: ThreadPoolExecutor | None = None,
+) -> Any:
+    """Rebuild the state from its skeleton and the shard bytes ``data``; tensors are new copies."""
+    leaves = [Leaf.from_meta(m) for m in leaf_meta]
+    made: list[Any] = []
+    jobs = []
+    for leaf in leaves:
+        if leaf.kind == "torch":
+            t = torch.empty(leaf.shape, dtype=_torch_dtype(leaf.dtype))
+            if leaf.nbytes:
+                jobs.append(
+                    (
+                        t.reshape(-1).view(torch.uint8).numpy(),
+                        data[leaf.offset : leaf.offset + leaf.nbytes],
+                    )
+                )
+            if leaf.requires_grad:
+                t.requires_grad_(True)
+            made.append(t)
+        else:
+            a = np.empty(leaf.shape, dtype=_np_dtype(leaf.dtype))
+            if leaf.nbytes:
+                jobs.append(
+                    (a.reshape(-1).view(np.uint8), data[leaf.offset : leaf.offset + leaf.nbytes])
+                )
+            made.append(a)
+    copy_pieces(jobs, pool)
+    return _build(skeleton, made)
+
+
+def _build(node: Any, made: list[Any]) -> Any:
+    (tag, value), *_ = node.items()
+    if tag == "n":
+        return None
+    if tag in ("b", "i", "s"):
+        return value
+    if tag == "f":
+        return float.fromhex(value)
+    if tag == "y":
+        raw = base64.b64decode(value)
+        return bytearray(raw) if node.get("ba") else raw
+    if tag in ("T", "N"):
+        return made[value]
+    if tag == "ns":
+        dtype = _np_dtype(value[0])
+        return np.frombuffer(base64.b64decode(value[1]), dtype=dtype)[0]
+    if tag == "dt":
+        return _torch_dtype(value)
+    if tag == "dev":
+        return torch.device(value)
+    if tag == "size":
+        return torch.Size(value)
+    if tag == "d":
+        return {_build(k, made): _build(v, made) for k, v in value}
+    if tag == "od":
+        return collections.OrderedDict((_build(k, made), _build(v, made)) for k, v in value)
+    if tag == "l":
+        return [_build(v, made) for v in value]
+    if tag == "t":
+        return tuple(_build(v, made) for v in value)
+    raise UnsupportedTypeError(f"unknown skeleton tag {tag!r} in a stored shard")

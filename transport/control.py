@@ -1,0 +1,184 @@
+"""The control socket between trainers and their host's daemon: framed JSON over a Unix socket.
+
+A frame is an 8-byte little-endian length followed by that many bytes of UTF-8 JSON. Nothing is
+ever unpickled. The server accepts only peers of its own uid (``SO_PEERCRED``). Bulk bytes never
+travel here: they go through shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transport.errors import ProtocolError
+
+__all__ = ["Connection", "Server", "connect", "peer_uid"]
+
+MAX_FRAME = 256 << 20
+_HEADER = struct.Struct("<Q")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+class Connection:
+    """One framed-JSON connection. ``request`` is send-then-receive; not for concurrent use."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message, separators=(",", ":")).encode()
+        self.sock.sendall(_HEADER.pack(len(data)) + data)
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next message, or None when the peer closed the connection."""
+        header = self._read(_HEADER.size)
+        if header is None:
+            return None
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME:
+            raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME} byte limit")
+        body = self._read(length)
+        if body is None:
+            raise ProtocolError("connection closed in the middle of a frame")
+        try:
+            message = json.loads(body)
+        except ValueError as exc:
+            raise ProtocolError(f"frame is not JSON: {exc}") from exc
+        if not isinstance(message, dict):
+            raise ProtocolError("frame is not a JSON object")
+        return message
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        with self._lock:
+            self.send(message)
+            return self.recv()
+
+    def _read(self, n: int) -> bytes | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            r = self.sock.recv_into(view[got:])
+            if r == 0:
+                if got == 0:
+                    return None
+                raise ProtocolError("connection closed in the middle of a frame")
+            got += r
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def connect(path: str | os.PathLike[str], timeout: float | None = None) -> Connection:
+    """Connect to the socket at ``path``; ``OSError`` if nobody listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fspath(path))
+    except OSError:
+        sock.close()
+        raise
+    return Connection(sock)
+
+
+Handler = Callable[[dict[str, Any], Connection], dict[str, Any] | None]
+
+
+class Server:
+    """Serves ``handler(message, connection) -> reply`` on a Unix socket, a thread per client.
+
+    A stale socket file left by a dead daemon is replaced; a live one (somebody answers) is an
+    error, so two daemons never serve one host directory.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        handler: Handler,
+        on_close: Callable[[Connection], None] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.handler = handler
+        self.on_close = on_close
+        if self.path.exists():
+            try:
+                connect(self.path, timeout=1.0).close()
+            except OSError:
+                self.path.unlink()  # stale: nobody listens
+            else:
+                raise OSError(f"a live daemon already serves {self.path}")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self.sock.bind(os.fspath(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(128)
+        self._uid = os.getuid()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="ecsnap-ctl", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:
+                return
+            if peer_uid(sock) != self._uid:
+                sock.close()  # another local user: not trusted
+                continue
+            threading.Thread(
+                target=self._serve, args=(Connection(sock),), daemon=True, name="ecsnap-client"
+            ).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while True:
+                try:
+                    message = conn.recv()
+                except (ProtocolError, OSError):
+                    return
+                if message is None:
+                    return
+                reply = self.handler(message, conn)
+                if reply is not None:
+                    conn.send(reply)
+        except OSError:
+            return
+        finally:
+            if self.on_close is not None:
+                self.on_close(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,133 @@
+"""Moving bytes between daemons with mpi4py's buffer calls, never pickle.
+
+Every wait polls nonblocking requests with short sleeps: MPICH's blocking calls spin a core,
+and the daemons share the host's cores with training. Every wait has a timeout, because a dead
+peer makes an mpich job hang or die (measured); :class:`PeerTimeoutError` is the signal.
+
+Large buffers travel as pieces of at most ``piece_bytes`` (default 64 MiB, always < 2 GiB: MPI
+counts are C ints), posted together so they pipeline; sender and receiver must cut alike, which
+:func:`pieces` guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transport.errors import PeerTimeoutError
+
+__all__ = ["Counters", "Links", "pieces"]
+
+DEFAULT_PIECE = 64 << 20
+MAX_PIECE = (1 << 31) - 1
+
+
+def pieces(nbytes: int, piece_bytes: int = DEFAULT_PIECE) -> list[tuple[int, int]]:
+    """(offset, length) cuts of a buffer of ``nbytes``, each at most ``piece_bytes``."""
+    piece_bytes = min(piece_bytes, MAX_PIECE)
+    return [(o, min(piece_bytes, nbytes - o)) for o in range(0, nbytes, piece_bytes)]
+
+
+@dataclass
+class Counters:
+    """Bytes moved by this daemon over MPI (payload only)."""
+
+    sent: int = 0
+    received: int = 0
+    by_peer_sent: dict[int, int] = field(default_factory=dict)
+
+
+class Links:
+    """Point-to-point and small collective transfers on one communicator, with timeouts.
+
+    Not thread-safe: one thread (the daemon's MPI engine) drives it.
+    """
+
+    def __init__(
+        self, comm: Any, timeout: float, piece_bytes: int = DEFAULT_PIECE, poll: float = 0.0002
+    ) -> None:
+        self.comm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.timeout = timeout
+        self.piece_bytes = piece_bytes
+        self.poll = poll
+        self.counters = Counters()
+
+    def wait(self, requests: Sequence[Any], what: str, timeout: float | None = None) -> None:
+        """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``."""
+        from mpi4py import MPI
+
+        if not requests:
+            return
+        reqs = list(requests)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        sleep = self.poll
+        while not MPI.Request.Testall(reqs):
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"daemon {self.rank}: {what} did not complete within "
+                    f"{self.timeout if timeout is None else timeout:.1f}s; a peer daemon is "
+                    "dead or stuck. The storage job must be relaunched; state stays on disk."
+                )
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.002)
+
+    def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
+        """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
+        view = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        view = view.reshape(-1).view(np.uint8)
+        reqs = [
+            self.comm.Isend([view[o : o + n], n, _byte()], dest=dest, tag=tag)
+            for o, n in pieces(view.nbytes, self.piece_bytes)
+        ]
+        self.counters.sent += view.nbytes
+        self.counters.by_peer_sent[dest] = self.counters.by_peer_sent.get(dest, 0) + view.nbytes
+        return reqs
+
+    def irecv(self, buf: Any, source: int, tag: int) -> list[Any]:
+        """Post the receives into ``buf`` (writable, contiguous) from ``source``, cut as sent."""
+        view = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        view = view.reshape(-1).view(np.uint8)
+        reqs = [
+            self.comm.Irecv([view[o : o + n], n, _byte()], source=source, tag=tag)
+            for o, n in pieces(view.nbytes, self.piece_bytes)
+        ]
+        self.counters.received += view.nbytes
+        return reqs
+
+    def allgather_json(
+        self, obj: Any, what: str = "allgather", timeout: float | None = None
+    ) -> list[Any]:
+        """Every daemon's ``obj`` (JSON-serialisable), in rank order."""
+        payload = np.frombuffer(json.dumps(obj, separators=(",", ":")).encode(), dtype=np.uint8)
+        sizes = np.zeros(self.size, dtype=np.int64)
+        mine = np.array([payload.nbytes], dtype=np.int64)
+        self.wait([self.comm.Iallgather(mine, sizes)], what + " (sizes)", timeout)
+        total = int(sizes.sum())
+        out = np.empty(max(total, 1), dtype=np.uint8)
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        counts = sizes.astype(np.int64)
+        req = self.comm.Iallgatherv(
+            [payload, payload.nbytes, _byte()],
+            [out, (counts.tolist(), displs.tolist()), _byte()],
+        )
+        self.wait([req], what, timeout)
+        return [
+            json.loads(out[int(d) : int(d) + int(c)].tobytes()) if c else None
+            for d, c in zip(displs, counts, strict=True)
+        ]
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        self.wait([self.comm.Ibarrier()], what, timeout)
+
+
+def _byte() -> Any:
+    from mpi4py import MPI
+
+    return MPI.BYTE

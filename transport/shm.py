@@ -1,0 +1,95 @@
+"""Shared-memory buffers: files under /dev/shm (or any directory), mapped by daemon and trainers.
+
+The daemon creates and owns every file (mode 0600 inside a 0700 directory); trainers map the
+files their daemon names. A new buffer is pre-faulted once by the daemon (first touch of a
+/dev/shm page costs ~8x a later write) and then reused across steps, so the trainer's copy runs at
+memory speed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MappedFile", "create", "prefault"]
+
+_PAGE = mmap.PAGESIZE
+
+
+def prefault(view: npt.NDArray[np.uint8]) -> None:
+    """Touch every page of ``view`` once (writes a zero per page) so later writes do not fault."""
+    if view.size:
+        view[::_PAGE] = 0
+        view[-1] = 0
+
+
+class MappedFile:
+    """A file mapped read-write with a flat uint8 numpy view ``array``.
+
+    ``close()`` unmaps; numpy views handed out keep the mapping alive until they die, so closing
+    is safe even while readers hold views (the kernel frees the pages when the last map goes).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], size: int | None = None, *, populate: bool = False
+    ) -> None:
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            self.size = actual if size is None else size
+            if self.size > actual:
+                raise ValueError(f"{self.path} holds {actual} bytes, {self.size} expected")
+            flags = mmap.MAP_SHARED
+            if populate and hasattr(mmap, "MAP_POPULATE"):
+                flags |= mmap.MAP_POPULATE
+            self._mmap: mmap.mmap | None = (
+                mmap.mmap(fd, self.size, flags=flags) if self.size else None
+            )
+        finally:
+            os.close(fd)
+        if self._mmap is not None:
+            self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
+        else:
+            self.array = np.zeros(0, dtype=np.uint8)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            m, self._mmap = self._mmap, None
+        self.array = np.zeros(0, dtype=np.uint8)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass  # views still exported: the mapping lives until they are gone
+
+    def __enter__(self) -> MappedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create(path: str | os.PathLike[str], size: int, *, prefault_pages: bool = True) -> MappedFile:
+    """Create (or resize) ``path`` as a 0600 file of ``size`` bytes, map it and pre-fault it.
+
+    Raises ``OSError`` (ENOSPC) when the file system is full: /dev/shm is memory.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        if size and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)  # fail now with ENOSPC, not later with SIGBUS
+    finally:
+        os.close(fd)
+    mf = MappedFile(path, size)
+    if prefault_pages:
+        prefault(mf.array)
+    return mf
