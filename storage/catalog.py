@@ -103,6 +103,8 @@ class Catalog:
                 rec.stored[slot] = event.get("crc", {})
                 if len(rec.stored) == self.slots:
                     rec.state = "protected"
+                    for old in self.evictions():
+                        del self.steps[old]
         elif kind == "delete":
             self.steps.pop(int(event["step"]), None)
         elif kind == "abort":
@@ -139,6 +141,10 @@ class Catalog:
             rec.layouts[g.index] = StripeLayout(g, [len(rec.blobs[s].chunks) for s in g.slots])
 
     def evictions(self) -> list[int]:
-        """Protected steps beyond ``keep``, oldest first: never the newest protected one."""
+        """Protected steps beyond ``keep``, oldest first: never the newest protected one.
+
+        Applied in the same transition that protects a newer step, so readers never see more
+        than ``keep`` protected steps and never fewer than one once any step is protected.
+        """
         p = self.protected()
         return p[: max(0, len(p) - self.keep)]

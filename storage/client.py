@@ -103,6 +103,7 @@ class Store:
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
+        self._waiters: set[control.Connection] = set()  # connections waiting for protection
         info = self._request({"op": "hello", "job": job, "rank": rank})
         self.daemon_host: str = info["host"]
         self.hosts: list[str] = info["hosts"]
@@ -220,9 +221,15 @@ class Store:
         handle.staged.set_result(handle.step)
         try:
             conn = self._open()
+            with self._lock:
+                self._waiters.add(conn)
             try:
+                if self._closed:
+                    raise StorageError("the Store was closed before the step was protected")
                 self._request({"op": "wait", "step": handle.step, "timeout": None}, conn)
             finally:
+                with self._lock:
+                    self._waiters.discard(conn)
                 conn.close()
         except BaseException as exc:
             handle.protected.set_exception(exc)
@@ -292,10 +299,18 @@ class Store:
         return self._request({"op": "info"})
 
     def close(self) -> None:
-        """Wait for puts in flight to finish staging, then close. Idempotent."""
+        """Wait for puts in flight to finish staging, then close. Idempotent.
+
+        Puts whose steps are not protected yet keep going in the daemons; their ``protected``
+        futures fail with :class:`DaemonUnavailableError` here, since this Store stops listening.
+        """
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            waiters = list(self._waiters)
+        for conn in waiters:
+            conn.shutdown()
         self._bg.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
         self._conn.close()

@@ -79,6 +79,7 @@ class _Local:
     parity: str | None = None
     prepared: bool = False
     stored: bool = False
+    manifest: bool = False
     data_crc: list[int] = field(default_factory=list)
     parity_crc: list[int] = field(default_factory=list)
     t_ready: float = 0.0
@@ -225,6 +226,8 @@ class Daemon:
         self._scratch: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
         self._fetch_seq = 0
         self._failed: dict[int, str] = {}  # step -> why, for trainers waiting on it
+        self.announced: set[int] = set()  # steps with a shard staged here, until forgotten
+        self.wake = threading.Event()
         self.stats: dict[str, float] = {
             "encode_bytes": 0,
             "encode_seconds": 0,
@@ -294,8 +297,12 @@ class Daemon:
                     for event in payload["ev"]:
                         if event.get("e") == "fetch":
                             self.fetches.append(event)
-                        else:
-                            self.catalog.apply(slot, event)
+                            continue
+                        self.catalog.apply(slot, event)
+                        if event.get("e") == "staged" and slot == self.slot:
+                            step, shard = int(event["step"]), event["shard"]
+                            loc = self.local.setdefault(step, _Local())
+                            loc.buffers[int(shard["rank"])] = str(shard["buffer"])
                 self.cond.notify_all()
             self._advance()
             if any(p["stop"] for p in everyone):
@@ -303,8 +310,10 @@ class Daemon:
             if busy or self._has_work():
                 idle = 0.0005
             else:
-                time.sleep(idle)
-                idle = min(idle * 2, 0.005)
+                # Peers join a round within ``idle``; a trainer's request starts one at once here.
+                self.wake.wait(idle)
+                self.wake.clear()
+                idle = min(idle * 2, 0.02)
 
     def _has_work(self) -> bool:
         with self.lock:
@@ -323,23 +332,19 @@ class Daemon:
         with self.cond:
             for rec in list(self.catalog.steps.values()):
                 loc = self.local[rec.step]
-                if (
-                    rec.state == "protected"
-                    and not (self.dir / "steps" / f"{rec.step}.json").exists()
-                ):
+                if rec.state == "protected" and not loc.manifest:
+                    loc.manifest = True
                     self._write_manifest(rec, loc)
                     self.stats["steps_protected"] += 1
                 if rec.state == "failed":
                     self._forget(rec.step)
-            for step in self.catalog.evictions():
-                self.catalog.steps.pop(step, None)
-                self._forget(step)
             for step in [s for s in self.local if s not in self.catalog.steps]:
-                self._forget(step)  # deleted
+                self._forget(step)  # deleted, or evicted by retention
             self.cond.notify_all()
 
     def _forget(self, step: int) -> None:
         """Give this host's files of ``step`` back to the pool (caller holds the lock)."""
+        self.announced.discard(step)
         loc = self.local.pop(step, None)
         if loc is not None:
             for name in loc.buffers.values():
@@ -367,7 +372,6 @@ class Daemon:
             loc.parity = buf.name
         except CapacityError as exc:
             error = str(exc)
-        loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == self.slot}
         if error is None:
             loc.data_crc = [
                 checksum(self._chunk_view(rec, c)) for c in range(len(rec.blobs[self.slot].chunks))
@@ -620,9 +624,11 @@ class Daemon:
                 "buffer": name,
                 "meta": msg["meta"],
             }
+            self.announced.add(step)
             self.events.append(
                 {"e": "staged", "step": step, "world_size": msg["world_size"], "shard": shard}
             )
+            self.wake.set()
         return {}
 
     def _op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -643,17 +649,16 @@ class Daemon:
                     return {"step": step}
                 if step in self._failed:
                     raise CapacityError(f"step {step} failed: {self._failed[step]}")
-                if rec is None and step not in self._pending_steps():
+                if (
+                    rec is None
+                    and step not in self.announced
+                    and not any(s == step for s, _ in self.pending)
+                ):
                     raise StepNotFoundError(f"step {step} is not being put (deleted?)", step)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StorageError(f"step {step} not protected within {timeout:.0f}s")
                 self.cond.wait(min(left, 1.0))
-
-    def _pending_steps(self) -> set[int]:
-        return {s for s, _ in self.pending} | {
-            int(e["step"]) for e in self.events if e.get("e") == "staged"
-        }
 
     def _resolve(self, step: Any) -> StepRec:
         with self.lock:
@@ -697,6 +702,7 @@ class Daemon:
             self.events.append(
                 {"e": "fetch", "id": fid, "step": rec.step, "rank": rank, "to": self.slot}
             )
+            self.wake.set()
             deadline = time.monotonic() + self.config.peer_timeout
             while fid not in self.fetch_done:
                 left = deadline - time.monotonic()
@@ -749,6 +755,7 @@ class Daemon:
             if step not in self.catalog.steps:
                 raise StepNotFoundError(f"step {step} is not held on job {self.config.job!r}", step)
             self.events.append({"e": "delete", "step": step})
+            self.wake.set()
             deadline = time.monotonic() + self.config.peer_timeout
             while step in self.catalog.steps and time.monotonic() < deadline:
                 self.cond.wait(0.5)

@@ -79,6 +79,13 @@ class Connection:
             got += r
         return bytes(buf)
 
+    def shutdown(self) -> None:
+        """Wake a thread blocked on this connection: its recv returns as if the peer closed."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         try:
             self.sock.close()

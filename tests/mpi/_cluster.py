@@ -1,0 +1,151 @@
+"""A real storage job for tests: ``mpiexec -n H ecsnap serve --virtual-hosts`` on this machine,
+and trainer ranks as separate Python processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def mpiexec() -> str:
+    """The venv's mpiexec (the mpich wheel's), else the one on PATH."""
+    cand = BIN / "mpiexec"
+    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+class Cluster:
+    """Daemons of one job under ``root``; ``stop()`` sends SIGTERM and checks a clean exit."""
+
+    def __init__(
+        self,
+        root: Path,
+        hosts: int = 4,
+        k: int | None = None,
+        m: int | None = None,
+        extra: list[str] | None = None,
+        job: str | None = None,
+        host_names: list[str] | None = None,
+    ) -> None:
+        self.root = root
+        self.job = job or f"t{uuid.uuid4().hex[:8]}"
+        self.hosts = hosts
+        self.host_names = host_names or [f"host{i}" for i in range(hosts)]
+        args = [
+            mpiexec(),
+            "-n",
+            str(hosts),
+            sys.executable,
+            "-m",
+            "storage.cli",
+            "serve",
+            "--job",
+            self.job,
+            "--root",
+            str(root),
+            "--peer-timeout",
+            "60",
+        ]
+        args += ["--virtual-hosts"] + ([",".join(host_names)] if host_names else [])
+        if k is not None and m is not None:
+            args += ["--k", str(k), "--m", str(m)]
+        args += extra or []
+        self.log = root / f"{self.job}.log"
+        self._logf = self.log.open("w")
+        self.proc = subprocess.Popen(
+            args, cwd=REPO, stdout=self._logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text()
+            if text.count("ready:") >= self.hosts:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemons exited with {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"daemons not ready in {timeout}s:\n{self.log.read_text()}")
+
+    def trainers(
+        self,
+        scenario: str,
+        world: int,
+        per_host: int,
+        params: dict[str, Any],
+        timeout: float = 120.0,
+        hosts: list[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run ``world`` trainer processes (rank r on host r // per_host); return their results."""
+        names = hosts or self.host_names
+        procs = []
+        for rank in range(world):
+            spec = {
+                "scenario": scenario,
+                "job": self.job,
+                "root": str(self.root),
+                "rank": rank,
+                "world": world,
+                "host": names[rank // per_host],
+                "params": params,
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.mpi._trainer", json.dumps(spec)],
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _reap(procs)
+                raise AssertionError(f"trainer {rank} hung; daemon log:\n{self.log.read_text()}")
+            if p.returncode != 0:
+                _reap(procs)
+                raise AssertionError(
+                    f"trainer {rank} failed ({p.returncode}):\n{err}\n--- daemons:\n"
+                    f"{self.log.read_text()}"
+                )
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._logf.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._logf.close()
+
+
+def _reap(procs: list[subprocess.Popen[str]]) -> None:
+    for q in procs:
+        if q.poll() is None:
+            q.kill()
+        q.communicate()

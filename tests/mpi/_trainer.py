@@ -1,0 +1,143 @@
+"""One trainer rank in its own process: ``python -m tests.mpi._trainer '<json spec>'``.
+
+Runs the named scenario against the real daemons and prints one JSON line of results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import storage
+from storage import Store
+
+from ._states import assert_same, make_state
+
+
+def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Overlapping puts of steps 1 and 2, reads of own and a foreign rank, retention by step 3."""
+    s1, s2 = make_state(rank, 1), make_state(rank, 2)
+    h1 = store.put(1, s1)
+    h2 = store.put(2, s2)  # before step 1 is protected
+    h1.staged.result(60)
+    h2.staged.result(60)
+    assert h1.wait(60) == 1 and h2.wait(60) == 2
+    assert store.latest_step() == 2 and store.steps() == [1, 2]
+    assert_same(store.get(1), s1)
+    assert_same(store.get(), s2)
+    other = (rank + p["per_host"]) % world  # a rank that lives on another host
+    assert_same(store.get(2, rank=other), make_state(other, 2))
+    st = store.status(2)
+    assert st.protected and st.ranks_staged == list(range(world))
+    with_3 = make_state(rank, 3)
+    store.put(3, with_3).wait(60)
+    steps = store.steps()
+    assert steps == [2, 3], steps  # keep=2: step 1 evicted by the protection of step 3
+    try:
+        store.get(1)
+        raise AssertionError("evicted step 1 still readable")
+    except storage.StepNotFoundError:
+        pass
+    assert_same(store.get(3), with_3)
+    try:
+        store.put(3, with_3)
+        raise AssertionError("duplicate step accepted")
+    except storage.StepExistsError:
+        pass
+    return {"info": store.info(), "status": st.__dict__}
+
+
+def partial(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Step 1 put by all, step 2 by even ranks only: step 2 must never become visible."""
+    store.put(1, make_state(rank, 1, scale=2)).wait(60)
+    if rank % 2 == 0:
+        h = store.put(2, make_state(rank, 2))
+        h.staged.result(60)
+    seen = set()
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        seen.add(store.latest_step())
+        seen.update(store.steps())
+        time.sleep(0.01)
+    assert seen == {1}, seen
+    try:
+        store.get(2)
+        raise AssertionError("unprotected step readable")
+    except storage.StepNotFoundError:
+        pass
+    state = store.status(2).state if rank % 2 == 0 else None
+    return {"seen": sorted(seen), "state2": state}
+
+
+def capacity(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """A put over the memory budget fails with CapacityError; what was stored stays bit-exact."""
+    small = make_state(rank, 1)
+    store.put(1, small).wait(60)
+    import torch
+
+    huge = {"x": torch.ones(p["huge_bytes"] // 4)}
+    try:
+        store.put(2, huge)
+        raise AssertionError("over-budget put accepted")
+    except storage.CapacityError as exc:
+        message = str(exc)
+    assert store.steps() == [1]
+    assert_same(store.get(1), small)
+    store.put(3, make_state(rank, 3)).wait(60)  # the service still works
+    assert store.steps() == [1, 3]
+    return {"message": message}
+
+
+def bad_input(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    import threading
+
+    import torch
+
+    errors = {}
+    try:
+        store.put(1, {"ok": torch.ones(3), "bad": {"inner": [threading.Lock()]}})
+    except storage.UnsupportedTypeError as exc:
+        errors["unsupported"] = exc.path
+    for bad in (-1, "7", 1.5, None):
+        try:
+            store.put(bad, {})  # type: ignore[arg-type]
+        except ValueError as exc:
+            errors.setdefault("step", str(exc))
+    try:
+        store.get(99)
+    except storage.StepNotFoundError as exc:
+        assert isinstance(exc, KeyError)
+        errors["missing"] = str(exc)
+    good = make_state(rank, 1)
+    store.put(1, good).wait(60)  # the rejected put left nothing behind
+    assert_same(store.get(1), good)
+    if rank == 0:
+        store.delete(1)
+        try:
+            store.delete(1)
+        except storage.StepNotFoundError:
+            errors["delete_twice"] = "ok"
+    return {"errors": errors}
+
+
+SCENARIOS = {f.__name__: f for f in (round_trip, partial, capacity, bad_input)}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    with storage.connect(
+        spec["job"],
+        rank=spec["rank"],
+        world_size=spec["world"],
+        host=spec["host"],
+        root=spec["root"],
+        timeout=30,
+    ) as store:
+        result = SCENARIOS[spec["scenario"]](store, spec["rank"], spec["world"], spec["params"])
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

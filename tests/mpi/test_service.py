@@ -1,0 +1,101 @@
+"""The storage service end to end: real daemons under mpiexec, trainers as separate processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import storage
+
+from ._cluster import REPO, Cluster, mpiexec
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2)])
+def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -> None:
+    cluster = Cluster(shm_root, hosts=4, k=k, m=m)
+    try:
+        results = cluster.trainers("round_trip", world=8, per_host=2, params={"per_host": 2})
+    finally:
+        assert cluster.stop() == 0, cluster.log.read_text()
+    # what stayed: steps 2 and 3 on every host, with parity in the parity directory
+    for h in range(4):
+        manifests = sorted(
+            p.name for p in (shm_root / cluster.job / f"host{h}" / "steps").iterdir()
+        )
+        assert manifests == ["2.json", "3.json"], manifests
+    sent = [r["info"]["sent_bytes"] for r in results[::2]]
+    assert all(s > 0 for s in sent)
+
+
+def test_partial_step_never_visible(shm_root: Path) -> None:
+    cluster = Cluster(shm_root, hosts=4, k=3, m=1)
+    try:
+        results = cluster.trainers("partial", world=4, per_host=1, params={})
+    finally:
+        assert cluster.stop() == 0
+    assert all(r["seen"] == [1] for r in results)
+    assert {r["state2"] for r in results[::2]} == {"staging"}
+
+
+def test_capacity_error_loses_nothing(shm_root: Path) -> None:
+    cluster = Cluster(shm_root, hosts=2, k=1, m=1, extra=["--memory-budget", "64M"])
+    try:
+        results = cluster.trainers(
+            "capacity", world=2, per_host=1, params={"huge_bytes": 100 << 20}
+        )
+    finally:
+        assert cluster.stop() == 0
+    assert "memory-budget" in results[0]["message"]
+
+
+def test_bad_input_named_errors(shm_root: Path) -> None:
+    cluster = Cluster(shm_root, hosts=2)
+    try:
+        results = cluster.trainers("bad_input", world=2, per_host=1, params={})
+    finally:
+        assert cluster.stop() == 0
+    errors = results[0]["errors"]
+    assert errors["unsupported"] == "['bad']['inner'][0]"
+    assert "step must be an int" in errors["step"]
+    assert "not protected" in errors["missing"]
+    assert errors["delete_twice"] == "ok"
+
+
+def test_hosts_that_cannot_form_groups_fail_at_start(shm_root: Path) -> None:
+    out = subprocess.run(
+        [
+            mpiexec(),
+            "-n",
+            "5",
+            sys.executable,
+            "-m",
+            "storage.cli",
+            "serve",
+            "--job",
+            "bad",
+            "--root",
+            str(shm_root),
+            "--virtual-hosts",
+            "--k",
+            "3",
+            "--m",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "leave a last group of 1 host(s)" in out.stderr, out.stderr
+    assert "--k 4 --m 1" in out.stderr
+
+
+def test_no_daemon_is_daemon_unavailable(shm_root: Path) -> None:
+    with pytest.raises(storage.DaemonUnavailableError) as info:
+        storage.connect("nobody", rank=0, world_size=1, host="h", root=shm_root, timeout=0.3)
+    assert isinstance(info.value, ConnectionError)
+    assert "mpiexec" in str(info.value)
