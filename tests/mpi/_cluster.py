@@ -116,7 +116,9 @@ class Cluster:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _reap(procs)
-                raise AssertionError(f"trainer {rank} hung; daemon log:\n{self.log.read_text()}")
+                raise AssertionError(
+                    f"trainer {rank} hung; daemon log:\n{self.log.read_text()}"
+                ) from None
             if p.returncode != 0:
                 _reap(procs)
                 raise AssertionError(

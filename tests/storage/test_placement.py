@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from storage.errors import ConfigError
+from storage.placement import Group, HostBlob, StripeLayout, default_km, make_groups
+
+
+@pytest.mark.parametrize("hosts", range(2, 40))
+def test_default_km_always_forms_groups(hosts: int) -> None:
+    k, m = default_km(hosts)
+    groups = make_groups(hosts, k, m)
+    assert sorted(s for g in groups for s in g.slots) == list(range(hosts))
+    assert all(g.k >= 1 and g.m == m for g in groups)
+
+
+def test_bad_groups_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="last group of 1"):
+        make_groups(5, 3, 1)
+    with pytest.raises(ConfigError):
+        default_km(1)
+    with pytest.raises(ConfigError):
+        make_groups(4, 0, 1)
+    assert issubclass(ConfigError, ValueError)
+    # a smaller last group shrinks its k
+    assert [(g.k, g.m) for g in make_groups(7, 3, 1)] == [(3, 1), (2, 1)]
+
+
+SHAPES = [(n, m) for n in range(2, 9) for m in range(1, n)]
+
+
+@pytest.mark.parametrize(("n", "m"), SHAPES)
+def test_stripes_are_valid_and_balanced(n: int, m: int) -> None:
+    k = n - m
+    g = Group(0, tuple(range(n)), k, m)
+    for counts in ([300] * n, [300 - i for i in range(n)], [0] * (n - 1) + [50], [1] * n):
+        lay = StripeLayout(g, counts)
+        used = [0] * n
+        for s in range(lay.stripes):
+            parity = lay.parity_positions(s)
+            data = [lay.data_position(s, j) for j in range(k)]
+            assert len(set(parity + data)) == n  # k data + m parity on n distinct hosts
+            for j in range(k):
+                c = lay.data_chunk(s, j)
+                if c is not None:
+                    assert c == used[data[j]]  # each host's chunks go out in order, once
+                    used[data[j]] += 1
+        assert used == counts
+        if counts == [300] * n:
+            # every host holds m/k of its blob in parity, up to the rounding of one rotation
+            for p in range(n):
+                assert abs(len(lay.parity_stripes[p]) - 300 * m / k) <= n
+
+
+@pytest.mark.parametrize(("n", "m"), [(4, 1), (4, 2), (10, 2), (12, 4)])
+def test_network_bytes_per_host(n: int, m: int) -> None:
+    """Each host sends its chunks once plus m-1 parity per stripe it encodes: (1+(m-1)/k)x."""
+    k = n - m
+    C = 1200
+    lay = StripeLayout(Group(0, tuple(range(n)), k, m), [C] * n)
+    for p in range(n):
+        encodes = sum(1 for s in range(lay.stripes) if lay.parity_positions(s)[0] == p)
+        sent = C + (m - 1) * encodes
+        assert sent <= (1 + (m - 1) / k) * C * 1.01 + n * m
+
+
+def test_host_blob_chunks() -> None:
+    blob = HostBlob(((3, 10), (1, 2500)), 1000)
+    refs = [(c.rank, c.offset, c.length) for c in blob.chunks]
+    assert refs == [(1, 0, 1000), (1, 1000, 1000), (1, 2000, 500), (3, 0, 10)]
+    assert blob.nbytes == 2510
+
+
+def test_layout_is_a_pure_function() -> None:
+    g = Group(0, (0, 1, 2, 3), 2, 2)
+    a, b = StripeLayout(g, [7, 5, 9, 0]), StripeLayout(g, [7, 5, 9, 0])
+    assert a.stripes == b.stripes
+    assert all(
+        a.data_chunk(s, j) == b.data_chunk(s, j)
+        for s, j in itertools.product(range(a.stripes), range(2))
+    )
