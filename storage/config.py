@@ -41,7 +41,7 @@ class ServeConfig:
     virtual_hosts: tuple[str, ...] | None = None  # () means host0..host{H-1}
     metrics_port: int | None = None
     peer_timeout: float = 120.0
-    window: int = 16  # stripes per pipelined exchange window
+    window: int = 64  # stripes per pipelined exchange window
     encode_threads: int = 2
 
     def __post_init__(self) -> None:

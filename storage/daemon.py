@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,9 @@ class _Local:
     stored: bool = False
     manifest: bool = False
     data_crc: list[int] = field(default_factory=list)
+    crc_job: Future[list[int]] | None = None
     parity_crc: list[int] = field(default_factory=list)
-    t_ready: float = 0.0
+    t: dict[str, float] = field(default_factory=dict)  # phase -> monotonic time, for tracing
 
 
 class Pool:
@@ -228,6 +230,8 @@ class Daemon:
         self._failed: dict[int, str] = {}  # step -> why, for trainers waiting on it
         self.announced: set[int] = set()  # steps with a shard staged here, until forgotten
         self.wake = threading.Event()
+        self.trace = bool(os.environ.get("ECSNAP_TRACE"))
+        self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ecsnap-crc")
         self.stats: dict[str, float] = {
             "encode_bytes": 0,
             "encode_seconds": 0,
@@ -289,7 +293,10 @@ class Daemon:
             with self.lock:
                 events, self.events = self.events, []
             everyone = self.links.allgather_json(
-                {"ev": events, "stop": self.stopping}, "round", timeout=self.config.peer_timeout
+                {"ev": events, "stop": self.stopping},
+                "round",
+                timeout=self.config.peer_timeout,
+                busy=bool(events) or self._has_work(),
             )
             busy = any(p["ev"] for p in everyone)
             with self.cond:
@@ -303,6 +310,7 @@ class Daemon:
                             step, shard = int(event["step"]), event["shard"]
                             loc = self.local.setdefault(step, _Local())
                             loc.buffers[int(shard["rank"])] = str(shard["buffer"])
+                            loc.t.setdefault("staged", time.monotonic())
                 self.cond.notify_all()
             self._advance()
             if any(p["stop"] for p in everyone):
@@ -335,6 +343,11 @@ class Daemon:
                 if rec.state == "protected" and not loc.manifest:
                     loc.manifest = True
                     self._write_manifest(rec, loc)
+                    loc.t["protected"] = time.monotonic()
+                    if self.trace:
+                        t0 = loc.t.get("staged", loc.t.get("ready", 0.0))
+                        phases = " ".join(f"{k}=+{(v - t0) * 1e3:.1f}ms" for k, v in loc.t.items())
+                        _log(self.host, f"step {rec.step}: {phases}")
                     self.stats["steps_protected"] += 1
                 if rec.state == "failed":
                     self._forget(rec.step)
@@ -360,9 +373,13 @@ class Daemon:
             pass
 
     def _prepare(self, rec: StepRec, loc: _Local) -> None:
-        """Reserve parity memory and checksum this host's data chunks; report in the next round."""
+        """Reserve parity memory, start checksumming this host's data chunks; report next round.
+
+        The checksums run on a helper thread (ISA-L's CRC drops the GIL) while the exchange moves
+        the same bytes; ``stored`` waits for them.
+        """
         loc.prepared = True
-        loc.t_ready = time.monotonic()
+        loc.t["ready"] = time.monotonic()
         layout = rec.layouts[self.group.index]
         pos = self.group.position(self.slot)
         nparity = len(layout.parity_stripes[pos])
@@ -373,9 +390,9 @@ class Daemon:
         except CapacityError as exc:
             error = str(exc)
         if error is None:
-            loc.data_crc = [
-                checksum(self._chunk_view(rec, c)) for c in range(len(rec.blobs[self.slot].chunks))
-            ]
+            views = [self._chunk_view(rec, c) for c in range(len(rec.blobs[self.slot].chunks))]
+            loc.crc_job = self._crc_pool.submit(lambda: [checksum(v) for v in views])
+        loc.t["prepared"] = time.monotonic()
         with self.lock:
             self.events.append({"e": "prepared", "step": rec.step, "error": error})
 
@@ -405,6 +422,7 @@ class Daemon:
         in stripe order, so MPI's non-overtaking rule matches them without per-stripe tags.
         """
         loc.stored = True
+        loc.t["exchange"] = time.monotonic()
         g = self.group
         layout = rec.layouts[g.index]
         pos = g.position(self.slot)
@@ -449,7 +467,7 @@ class Daemon:
                     slot_i = layout.parity_slot(pos, s)
                     dst = parity[slot_i * cb : (slot_i + 1) * cb]
                     parity_reqs += self.links.irecv(dst, g.slots[encoder], TAG_PARITY)
-            self.links.wait(data_reqs, f"data exchange of step {rec.step}")
+            self.links.wait(data_reqs, f"data exchange of step {rec.step}", busy=True)
             for s in mine_to_encode:
                 assert parity is not None
                 row0 = (s - w0) * k
@@ -463,7 +481,7 @@ class Daemon:
                 ppos = layout.parity_positions(s)
                 for i in range(1, m):
                     parity_reqs += self.links.isend(outs[i], g.slots[ppos[i]], TAG_PARITY)
-            self.links.wait(parity_reqs, f"parity exchange of step {rec.step}")
+            self.links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=True)
         encoded_stripes = sum(
             1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos
         )
@@ -472,6 +490,9 @@ class Daemon:
         if parity is not None:
             n = len(layout.parity_stripes[pos])
             loc.parity_crc = [checksum(parity[i * cb : (i + 1) * cb]) for i in range(n)]
+        if loc.crc_job is not None:
+            loc.data_crc = loc.crc_job.result()
+        loc.t["stored"] = time.monotonic()
         with self.lock:
             self.events.append(
                 {
@@ -497,7 +518,9 @@ class Daemon:
             shard = rec.shards[int(f["rank"])]
             if shard.slot == self.slot and to != self.slot:
                 view = self.pool.get(shard.buffer).file.array[: shard.nbytes]
-                self.links.wait(self.links.isend(view, to, TAG_FETCH), "shard fetch (send)")
+                self.links.wait(
+                    self.links.isend(view, to, TAG_FETCH), "shard fetch (send)", busy=True
+                )
             elif to == self.slot:
                 path = self.dir / "tmp" / f"fetch-{f['id']}"
                 try:
@@ -505,7 +528,9 @@ class Daemon:
                 except OSError as exc:
                     # the holder sends regardless: drain it into scratch so MPI stays in step
                     sink = np.empty(shard.nbytes, dtype=np.uint8)
-                    self.links.wait(self.links.irecv(sink, shard.slot, TAG_FETCH), "shard fetch")
+                    self.links.wait(
+                        self.links.irecv(sink, shard.slot, TAG_FETCH), "shard fetch", busy=True
+                    )
                     self._fetch_finish(
                         f["id"], {"error": f"no memory for the fetched shard: {exc}"}
                     )
@@ -513,6 +538,7 @@ class Daemon:
                 self.links.wait(
                     self.links.irecv(tmp.array[: shard.nbytes], shard.slot, TAG_FETCH),
                     "shard fetch (receive)",
+                    busy=True,
                 )
                 tmp.close()
                 self._fetch_finish(f["id"], {"path": str(path), "size": max(shard.nbytes, 1)})
@@ -797,6 +823,7 @@ class Daemon:
             server.close()
         for rs in self._codecs.values():
             rs.close()
+        self._crc_pool.shutdown(wait=True)
 
 
 def _parse_size(text: str) -> int:

@@ -12,6 +12,7 @@ counts are C ints), posted together so they pipeline; sender and receiver must c
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,24 +60,41 @@ class Links:
         self.poll = poll
         self.counters = Counters()
 
-    def wait(self, requests: Sequence[Any], what: str, timeout: float | None = None) -> None:
-        """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``."""
+    def wait(
+        self, requests: Sequence[Any], what: str, timeout: float | None = None, busy: bool = False
+    ) -> None:
+        """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``.
+
+        MPI progresses a transfer only while some call into it runs, so a bulk transfer waits
+        ``busy``: polling, with a ``sched_yield`` every 32 tries (measured between two ranks:
+        9 GB/s; 5 GB/s yielding after every try; 0.5 GB/s sleeping between polls). Small control
+        messages sleep between polls instead, leaving the cores to training.
+        """
         from mpi4py import MPI
 
         if not requests:
             return
         reqs = list(requests)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         sleep = self.poll
+        tries = 0
         while not MPI.Request.Testall(reqs):
+            tries += 1
+            if busy:
+                if tries & 31 == 0:
+                    os.sched_yield()  # let a peer on this core run; 1 in 32 costs little
+                if tries & 1023:
+                    continue
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
-                    f"daemon {self.rank}: {what} did not complete within "
-                    f"{self.timeout if timeout is None else timeout:.1f}s; a peer daemon is "
-                    "dead or stuck. The storage job must be relaunched; state stays on disk."
+                    f"daemon {self.rank}: {what} did not complete within {limit:.1f}s; a peer "
+                    "daemon is dead or stuck. The storage job must be relaunched; state stays "
+                    "on disk."
                 )
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.002)
+            if not busy:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 0.002)
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
@@ -102,13 +120,13 @@ class Links:
         return reqs
 
     def allgather_json(
-        self, obj: Any, what: str = "allgather", timeout: float | None = None
+        self, obj: Any, what: str = "allgather", timeout: float | None = None, busy: bool = False
     ) -> list[Any]:
         """Every daemon's ``obj`` (JSON-serialisable), in rank order."""
         payload = np.frombuffer(json.dumps(obj, separators=(",", ":")).encode(), dtype=np.uint8)
         sizes = np.zeros(self.size, dtype=np.int64)
         mine = np.array([payload.nbytes], dtype=np.int64)
-        self.wait([self.comm.Iallgather(mine, sizes)], what + " (sizes)", timeout)
+        self.wait([self.comm.Iallgather(mine, sizes)], what + " (sizes)", timeout, busy)
         total = int(sizes.sum())
         out = np.empty(max(total, 1), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -117,7 +135,7 @@ class Links:
             [payload, payload.nbytes, _byte()],
             [out, (counts.tolist(), displs.tolist()), _byte()],
         )
-        self.wait([req], what, timeout)
+        self.wait([req], what, timeout, busy)
         return [
             json.loads(out[int(d) : int(d) + int(c)].tobytes()) if c else None
             for d, c in zip(displs, counts, strict=True)

@@ -1,0 +1,447 @@
+"""``ecsnap bench store``: snapshot a training state through ecsnap and through the alternatives.
+
+One run starts 4 virtual hosts under ``mpiexec`` and one trainer process per host, each holding a
+quarter of the state (fp32 and bf16 tensors, about 50 per rank). Each repeat, interleaved so that
+machine drift hits every contender alike:
+
+- ecsnap ``put``: all ranks at once; put->staged (what the training loop waits for) and
+  put->protected (parity stored on peers), the slowest rank counted;
+- the floor: the same state copied with 2 threads into pre-faulted shared memory;
+- ``torch.save`` to /dev/shm, and ``torch.load`` back;
+- DCP ``async_save`` with a FileSystemWriter to /dev/shm: its blocking time and its time until
+  written;
+- ecsnap local ``get`` (a trainer restarting on its own host), the slowest rank counted.
+
+Then the daemons' byte counters: parity held and bytes sent per host against the host's blob.
+Results: JSON lines in ``bench/results/store.jsonl`` with medians and spreads, ratios of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench._common import Recorder, summarize, table
+
+HOSTS = 4
+
+
+def make_state(nbytes: int, ntensors: int, seed: int) -> dict[str, torch.Tensor]:
+    """About ``nbytes`` of fp32 and bf16 tensors (alternating), ``ntensors`` of them."""
+    g = torch.Generator().manual_seed(seed)
+    per = max(nbytes // ntensors, 1024)
+    state = {}
+    for i in range(ntensors):
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        n = per // (4 if dtype == torch.float32 else 2)
+        cols = 1024
+        t = torch.empty(max(n // cols, 1), cols, dtype=torch.float32).uniform_(generator=g)
+        state[f"layer{i // 4}.w{i % 4}"] = t.to(dtype)
+    return state
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# -- the trainer side (one process per rank) ------------------------------------------------------
+
+
+def worker(spec: dict[str, Any]) -> None:
+    import storage
+
+    state = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
+    store = storage.connect(
+        spec["job"],
+        rank=spec["rank"],
+        world_size=spec["world"],
+        host=spec["host"],
+        root=spec["root"],
+        timeout=60,
+    )
+    print(json.dumps({"ready": True, "nbytes": _nbytes(state)}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        out: dict[str, Any] = {}
+        if cmd["op"] == "put":
+            t0 = time.perf_counter()
+            h = store.put(cmd["step"], state)
+            t_return = time.perf_counter() - t0
+            h.staged.result()
+            t_staged = time.perf_counter() - t0
+            h.wait()
+            out = {"return": t_return, "staged": t_staged, "protected": time.perf_counter() - t0}
+        elif cmd["op"] == "get":
+            t0 = time.perf_counter()
+            got = store.get(cmd["step"])
+            out = {"get": time.perf_counter() - t0}
+            if cmd.get("verify"):
+                out["exact"] = all(
+                    torch.equal(
+                        got[k].view(torch.uint8) if got[k].dtype == torch.bfloat16 else got[k],
+                        v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
+                    )
+                    for k, v in state.items()
+                )
+            del got
+        elif cmd["op"] == "info":
+            out = store.info()
+        elif cmd["op"] == "quit":
+            break
+        print(json.dumps(out), flush=True)
+    store.close()
+
+
+class Workers:
+    def __init__(self, job: str, root: Path, nbytes: int, ntensors: int) -> None:
+        self.procs = []
+        for rank in range(HOSTS):
+            spec = {
+                "job": job,
+                "root": str(root),
+                "rank": rank,
+                "world": HOSTS,
+                "host": f"host{rank}",
+                "nbytes": nbytes // HOSTS,
+                "ntensors": max(ntensors // HOSTS, 1),
+            }
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "bench.store", "--worker", json.dumps(spec)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=Path(__file__).resolve().parent.parent,
+                )
+            )
+        self.ready = [self._read(p) for p in self.procs]
+
+    @staticmethod
+    def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench worker exited with {p.wait()}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def all(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(cmd) + "\n")
+            p.stdin.flush()
+        return [self._read(p) for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None and p.stdin is not None:
+                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[bytes]:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    log = (root / "daemons.log").open("w")
+    proc = subprocess.Popen(
+        [
+            str(mpiexec if mpiexec.exists() else "mpiexec"),
+            "-n",
+            str(HOSTS),
+            sys.executable,
+            "-m",
+            "storage.cli",
+            "serve",
+            "--job",
+            job,
+            "--root",
+            str(root),
+            "--virtual-hosts",
+            "--k",
+            str(k),
+            "--m",
+            str(m),
+            "--chunk-bytes",
+            str(chunk),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while (root / "daemons.log").read_text().count("ready:") < HOSTS:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("daemons did not start:\n" + (root / "daemons.log").read_text())
+        time.sleep(0.05)
+    return proc
+
+
+# -- the contenders in this process ----------------------------------------------------------------
+
+
+def _floor(state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor) -> float:
+    from storage.state import flatten, stage
+
+    _, leaves, nbytes = flatten(state)
+    t0 = time.perf_counter()
+    stage(leaves, buf.array[:nbytes], pool)
+    return time.perf_counter() - t0
+
+
+def _torch_save_load(state: dict[str, torch.Tensor], path: Path) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    t_save = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    t_load = time.perf_counter() - t0
+    del loaded
+    path.unlink()
+    return t_save, t_load
+
+
+def _dcp_async(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, float]:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        t0 = time.perf_counter()
+        fut: Any = async_save(state, storage_writer=FileSystemWriter(str(directory)))
+        t_block = time.perf_counter() - t0
+        fut.result()
+        t_done = time.perf_counter() - t0
+    shutil.rmtree(directory)
+    return t_block, t_done
+
+
+def run(
+    quick: bool = False,
+    k: int = 3,
+    m: int = 1,
+    nbytes: int | None = None,
+    repeats: int | None = None,
+    chunk: int = 1 << 20,
+) -> list[dict[str, Any]]:
+    from transport import shm
+
+    nbytes = nbytes or ((256 << 20) if quick else 1_500_000_000)
+    ntensors = 200
+    repeats = repeats or (3 if quick else 7)
+    warmup = 3  # keep + 1 puts: from then on every put reuses pre-faulted buffers (steady state)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    root = base / f"ecsnap-bench-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    job = "bench"
+    rec = Recorder(
+        "store",
+        {
+            "quick": quick,
+            "k": k,
+            "m": m,
+            "hosts": HOSTS,
+            "ranks": HOSTS,
+            "state_bytes": nbytes,
+            "tensors": ntensors,
+            "repeats": repeats,
+            "chunk_bytes": chunk,
+        },
+    )
+    samples: dict[str, list[float]] = {}
+    daemons = _daemons(job, root, k, m, chunk)
+    workers = None
+    try:
+        workers = Workers(job, root, nbytes, ntensors)
+        state = make_state(nbytes, ntensors, seed=99)
+        actual = _nbytes(state)
+        floor_buf = shm.create(root / "floor.buf", actual)
+        pool = ThreadPoolExecutor(2)
+        print(
+            f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m})",
+            file=sys.stderr,
+        )
+        for r in range(warmup + repeats):
+            step = r + 1
+            puts = workers.all({"op": "put", "step": step})
+            got = workers.all({"op": "get", "step": step, "verify": r == 0})
+            measured = {
+                "ecsnap_put_return": max(p["return"] for p in puts),
+                "ecsnap_put_staged": max(p["staged"] for p in puts),
+                "ecsnap_put_protected": max(p["protected"] for p in puts),
+                "ecsnap_get_local": max(g["get"] for g in got),
+                "floor_copy_2threads": _floor(state, floor_buf, pool),
+            }
+            measured["torch_save_shm"], measured["torch_load_shm"] = _torch_save_load(
+                state, root / "state.pt"
+            )
+            measured["dcp_async_save_blocking"], measured["dcp_async_save_done"] = _dcp_async(
+                state, root / f"dcp-{r}"
+            )
+            if r == 0 and not all(g.get("exact") for g in got):
+                raise AssertionError("ecsnap get returned different bytes than were put")
+            if r >= warmup:
+                for name, value in measured.items():
+                    samples.setdefault(name, []).append(value)
+            print(
+                f"repeat {r + 1}/{warmup + repeats}: "
+                + ", ".join(f"{n}={v:.3f}s" for n, v in measured.items()),
+                file=sys.stderr,
+            )
+        infos = workers.all({"op": "info"})
+        floor_buf.close()
+        pool.shutdown()
+    finally:
+        if workers is not None:
+            workers.close()
+        os.killpg(daemons.pid, 15)
+        daemons.wait(30)
+        if os.environ.get("ECSNAP_TRACE"):
+            print((root / "daemons.log").read_text(), file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = []
+    for name, s in samples.items():
+        stats = summarize(s)
+        rec.add(kind="time", name=name, unit="s", state_bytes=actual, samples=len(s), **stats)
+        rows.append((name, stats["median_s"], stats["p10_s"], stats["p90_s"]))
+    med = {n: statistics.median(s) for n, s in samples.items()}
+    puts_total = warmup + repeats
+    bytes_rows = []
+    for info in infos:
+        held = len(info["protected"])
+        blob = info["data_bytes"] / held
+        parity_ratio = info["parity_bytes"] / held / blob
+        net_ratio = info["sent_bytes"] / puts_total / blob
+        rec.add(
+            kind="bytes",
+            host=info["host"],
+            blob_bytes=blob,
+            parity_bytes_per_step=info["parity_bytes"] / held,
+            sent_bytes_per_step=info["sent_bytes"] / puts_total,
+            parity_over_blob=parity_ratio,
+            sent_over_blob=net_ratio,
+            parity_target=m / k,
+            sent_target=1 + (m - 1) / k,
+            unit="bytes",
+        )
+        bytes_rows.append((info["host"], blob, parity_ratio, m / k, net_ratio, 1 + (m - 1) / k))
+    ratios = [
+        (
+            "put blocking / DCP async_save blocking",
+            med["ecsnap_put_staged"] / med["dcp_async_save_blocking"],
+            0.5,
+            "<=",
+        ),
+        (
+            "put blocking / 2-thread copy floor",
+            med["ecsnap_put_staged"] / med["floor_copy_2threads"],
+            1.3,
+            "<=",
+        ),
+        (
+            "DCP async_save until written / put->protected",
+            med["dcp_async_save_done"] / med["ecsnap_put_protected"],
+            4.0,
+            ">=",
+        ),
+        (
+            "torch.save /dev/shm / put->protected",
+            med["torch_save_shm"] / med["ecsnap_put_protected"],
+            2.0,
+            ">=",
+        ),
+        (
+            "torch.load /dev/shm / local get",
+            med["torch_load_shm"] / med["ecsnap_get_local"],
+            8.0,
+            ">=",
+        ),
+        (
+            "parity bytes per host / (m/k x blob), worst host",
+            max(r[2] / r[3] for r in bytes_rows),
+            1.01,
+            "<=",
+        ),
+        (
+            "bytes sent per host / ((1+(m-1)/k) x blob), worst host",
+            max(r[4] / r[5] for r in bytes_rows),
+            1.01,
+            "<=",
+        ),
+    ]
+    for name, value, target, op in ratios:
+        met = value <= target if op == "<=" else value >= target
+        rec.add(
+            kind="ratio",
+            name=name,
+            value=value,
+            target=f"{op} {target}",
+            met=met,
+            unit="ratio of medians",
+        )
+    path = rec.write()
+    print(table(rows, ["contender", "median s", "p10 s", "p90 s"]))
+    print()
+    print(table(bytes_rows, ["host", "blob bytes", "parity/blob", "target", "sent/blob", "target"]))
+    print()
+    print(
+        table(
+            [
+                (n, v, f"{op} {t}", "yes" if (v <= t if op == "<=" else v >= t) else "NO")
+                for n, v, t, op in ratios
+            ],
+            ["ratio (this run)", "value", "target", "met"],
+        )
+    )
+    print(f"\nwrote {len(rec.records)} records to {path}")
+    return rec.records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ecsnap bench store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="256 MB state, 3 repeats")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--m", type=int, default=1)
+    parser.add_argument("--bytes", type=int, default=None, help="state size (default 1.5 GB)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    run(
+        quick=args.quick,
+        k=args.k,
+        m=args.m,
+        nbytes=args.bytes,
+        repeats=args.repeats,
+        chunk=args.chunk_bytes,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
