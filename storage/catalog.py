@@ -7,6 +7,7 @@ which step retention evicts) without a leader. A step moves
     staging --(all world_size shards staged)--> ready --(every daemon prepared)--> encoding
     encoding --(every daemon stored its parity)--> protected
     ready --(a daemon could not prepare: no memory)--> failed
+    protected --(more than m chunks of a stripe lost: see recovery)--> lost
 
 and only ``protected`` steps are visible to readers. No I/O here.
 """
@@ -54,6 +55,8 @@ class StepRec:
     prepared: dict[int, str | None] = field(default_factory=dict)
     stored: dict[int, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
+    parity: dict[int, str] = field(default_factory=dict)  # slot -> its parity file
+    lost: dict[str, Any] = field(default_factory=dict)  # why a step cannot be rebuilt
     blobs: dict[int, HostBlob] = field(default_factory=dict)
     layouts: dict[int, StripeLayout] = field(default_factory=dict)
 
@@ -101,10 +104,15 @@ class Catalog:
             rec = self.steps.get(int(event["step"]))
             if rec is not None and rec.state == "encoding":
                 rec.stored[slot] = event.get("crc", {})
+                if event.get("parity"):
+                    rec.parity[slot] = str(event["parity"])
                 if len(rec.stored) == self.slots:
                     rec.state = "protected"
                     for old in self.evictions():
                         del self.steps[old]
+                    for old in [s for s, r in self.steps.items() if r.state == "lost"]:
+                        if old < rec.step:
+                            del self.steps[old]  # a newer step is protected: no use any more
         elif kind == "delete":
             self.steps.pop(int(event["step"]), None)
         elif kind == "abort":
@@ -129,10 +137,11 @@ class Catalog:
         shard = ShardRec.from_json(event["shard"])
         rec.shards[shard.rank] = shard
         if len(rec.shards) == rec.world_size:
-            self._layout(rec)
+            self.layout(rec)
             rec.state = "ready"
 
-    def _layout(self, rec: StepRec) -> None:
+    def layout(self, rec: StepRec) -> None:
+        """Compute each host's blob and each group's stripes from the step's shards."""
         per_slot: dict[int, list[tuple[int, int]]] = {s: [] for s in range(self.slots)}
         for shard in rec.shards.values():
             per_slot[shard.slot].append((shard.rank, shard.nbytes))

@@ -4,15 +4,20 @@ Call sequence (every daemon runs the same loop, in lock-step rounds)::
 
     mpiexec -n H ecsnap serve --job J [--virtual-hosts] [--k K --m M] ...
 
+    start:  adopt what the host directory holds (see :mod:`storage.recovery`): claim slots,
+            agree on manifests, check every chunk, rebuild what was lost, then serve.
     round:  allgather the events of the last round (staged shards, prepared, stored, deletes,
-            fetches), apply them in slot order to the replicated :class:`Catalog`, then act:
-            prepare ready steps (parity memory, data checksums), run the erasure-coding exchange
-            of steps every daemon prepared, serve fetches of shards for other hosts, write the
-            manifest of newly protected steps and evict what retention drops.
+            fetches, repairs), apply them in slot order to the replicated :class:`Catalog`, then
+            act: prepare ready steps (parity memory, data checksums), run the erasure-coding
+            exchange of steps every daemon prepared, move fetched shards, repair chunks a read
+            found bad, write the manifest of newly protected steps, free what retention drops.
 
 Trainers talk to their host's daemon over ``<root>/<job>/<host>/ctl.sock`` (framed JSON) and write
 shard bytes straight into the daemon's shared-memory buffers. The daemon's threads: the main
 thread drives MPI; one thread per trainer connection answers requests.
+
+Slots, not machines: the layout has H slots; MPI rank r serves slot ``slot_of_rank[r]``, the one
+whose files its host holds (or one nobody holds). Every MPI call maps slot to rank.
 
 The storage job is one failure domain: a dead peer makes the mpich job die or hang, so every wait
 on a peer has a timeout after which this daemon aborts the job. State stays in the host directory.
@@ -37,39 +42,33 @@ from typing import Any
 import numpy as np
 
 from codec import RSCodec, checksum
+from codec.layout import zeros
+from storage import recovery
 from storage.catalog import Catalog, StepRec
 from storage.config import DEFAULT_ROOT, ServeConfig, host_dir
 from storage.errors import (
     CapacityError,
     ConfigError,
+    SnapshotUnrecoverableError,
     StepExistsError,
     StepNotFoundError,
     StorageError,
     to_wire,
 )
-from storage.placement import default_km, make_groups
+from storage.placement import Group, default_km, make_groups
+from storage.pool import Pool
+from storage.recovery import Erasures, holder, plan_repair
 from transport import shm
 from transport.control import Connection, Server
 from transport.errors import PeerTimeoutError
 
 __all__ = ["Daemon", "main"]
 
-TAG_DATA, TAG_PARITY, TAG_FETCH = 11, 12, 13
-MANIFEST_VERSION = 1
+TAG_DATA, TAG_PARITY, TAG_FETCH, TAG_REPAIR = 11, 12, 13, 14
 
 
 def _log(host: str, msg: str) -> None:
     print(f"ecsnap[{host}] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class _Buffer:
-    name: str
-    file: shm.MappedFile
-
-    @property
-    def size(self) -> int:
-        return self.file.size
 
 
 @dataclass
@@ -87,103 +86,6 @@ class _Local:
     t: dict[str, float] = field(default_factory=dict)  # phase -> monotonic time, for tracing
 
 
-class Pool:
-    """This host's shared-memory files: shard buffers and parity, reused across steps.
-
-    ``used`` counts every file (in use or free) against ``budget``; free files are dropped before
-    a request is refused. Thread-safe.
-    """
-
-    def __init__(self, directory: Path, budget: int | None) -> None:
-        self.dir = directory  # the host directory: shard buffers in data/, parity in parity/
-        self.budget = budget
-        self.files: dict[str, _Buffer] = {}
-        self.free: set[str] = set()
-        self.lock = threading.Lock()
-        self._seq = 0
-
-    @property
-    def used(self) -> int:
-        return sum(b.size for b in self.files.values())
-
-    def take(self, size: int, prefix: str, reserve: int = 0) -> _Buffer:
-        """A pre-faulted file of at least ``size`` bytes (a free one of similar size if any).
-
-        ``reserve`` is memory the caller will need soon after (parity): it must fit too.
-        Raises :class:`CapacityError` when the budget or /dev/shm cannot hold it.
-        """
-        with self.lock:
-            best = None
-            for name in self.free:
-                b = self.files[name]
-                if (
-                    name.startswith(prefix)
-                    and size <= b.size <= size + size // 4 + 4096
-                    and (best is None or b.size < best.size)
-                ):
-                    best = b
-            if best is not None and self._fits(reserve):
-                self.free.discard(best.name)
-                return best
-            need = max(size, 1)
-            if not self._fits(need + reserve):
-                for name in sorted(self.free, key=lambda n: -self.files[n].size):
-                    self._drop(name)
-                    if self._fits(need + reserve):
-                        break
-            if not self._fits(need + reserve):
-                raise CapacityError(
-                    f"{size + reserve} more bytes would exceed this host's --memory-budget of "
-                    f"{self.budget} ({self.used} in use); raise the budget, lower --keep, or "
-                    "delete old steps. Nothing stored was touched."
-                )
-            self._seq += 1
-            name = f"{prefix}{os.getpid()}-{self._seq}"
-        try:
-            f = shm.create(self.path(name), need)
-        except OSError as exc:
-            try:
-                self.path(name).unlink()
-            except FileNotFoundError:
-                pass
-            raise CapacityError(f"cannot allocate {need} bytes of shared memory: {exc}") from exc
-        buf = _Buffer(name, f)
-        with self.lock:
-            self.files[name] = buf
-        return buf
-
-    def _fits(self, extra: int) -> bool:
-        return self.budget is None or self.used + extra <= self.budget
-
-    def path(self, name: str) -> Path:
-        return self.dir / ("parity" if name.startswith("p") else "data") / name
-
-    def get(self, name: str) -> _Buffer:
-        with self.lock:
-            return self.files[name]
-
-    def release(self, name: str | None) -> None:
-        if name is None:
-            return
-        with self.lock:
-            if name in self.files:
-                self.free.add(name)
-
-    def _drop(self, name: str) -> None:
-        buf = self.files.pop(name)
-        self.free.discard(name)
-        buf.file.close()
-        try:
-            self.path(name).unlink()
-        except FileNotFoundError:
-            pass
-
-    def drop(self, name: str) -> None:
-        with self.lock:
-            if name in self.files:
-                self._drop(name)
-
-
 class Daemon:
     """One host's daemon. ``run()`` is the MPI engine; trainers are served on other threads."""
 
@@ -192,7 +94,7 @@ class Daemon:
 
         self.config = config
         self.comm = comm
-        self.slot: int = comm.Get_rank()
+        self.rank: int = comm.Get_rank()
         self.nslots: int = comm.Get_size()
         vh = config.virtual_hosts
         if vh is None:
@@ -202,25 +104,29 @@ class Daemon:
                 raise ConfigError(
                     f"--virtual-hosts names {len(vh)} hosts but {self.nslots} daemons run"
                 )
-            self.host = vh[self.slot]
+            self.host = vh[self.rank]
         else:
-            self.host = f"host{self.slot}"
+            self.host = f"host{self.rank}"
         if config.k is None or config.m is None:
-            k, m = default_km(self.nslots)
+            self.k, self.m = default_km(self.nslots)
         else:
-            k, m = config.k, config.m
-        self.groups = make_groups(self.nslots, k, m)
-        self.k, self.m = k, m
-        self.group = next(g for g in self.groups if self.slot in g.slots)
+            self.k, self.m = config.k, config.m
+        self.groups: list[Group] = make_groups(self.nslots, self.k, self.m)
+        self.chunk_bytes = config.chunk_bytes
+        self.slot = self.rank  # until adoption says otherwise
+        self.rank_of: list[int] = list(range(self.nslots))  # slot -> MPI rank
+        self.slot_of_rank: list[int] = list(range(self.nslots))
         self.dir = host_dir(config.root, config.job, self.host)
         self.links = Links(comm, timeout=config.peer_timeout)
-        self.catalog = Catalog(self.groups, self.nslots, config.chunk_bytes, config.keep)
+        self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, _Local] = {}
         self.pending: dict[tuple[int, int], str] = {}  # (step, rank) -> buffer being staged
         self.events: list[dict[str, Any]] = []
         self.fetches: list[dict[str, Any]] = []
         self.fetch_done: dict[str, dict[str, Any]] = {}
-        self.hosts: list[str] = []
+        self.repairs: list[dict[str, Any]] = []
+        self.repairs_done: set[str] = set()  # ids of repairs run, for readers waiting on them
+        self.hosts: list[str] = []  # by slot
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.stopping = False
@@ -232,49 +138,47 @@ class Daemon:
         self.wake = threading.Event()
         self.trace = bool(os.environ.get("ECSNAP_TRACE"))
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ecsnap-crc")
+        self.health = "starting"
         self.stats: dict[str, float] = {
             "encode_bytes": 0,
             "encode_seconds": 0,
             "decode_bytes": 0,
             "steps_protected": 0,
+            "checksum_failures": 0,
+            "rebuilds": 0,
+            "rebuild_seconds": 0,
+            "rebuilt_chunks": 0,
+            "adopted_steps": 0,
+            "lost_steps": 0,
         }
+
+    @property
+    def group(self) -> Group:
+        return next(g for g in self.groups if self.slot in g.slots)
 
     # -- start-up --------------------------------------------------------------------------------
 
     def _prepare_dirs(self) -> None:
         job_dir = self.dir.parent
-        for d in (
-            Path(self.config.root),
-            job_dir,
-            self.dir,
-            self.dir / "data",
-            self.dir / "parity",
-            self.dir / "steps",
-            self.dir / "tmp",
-        ):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (
-            job_dir,
-            self.dir,
-            self.dir / "data",
-            self.dir / "parity",
-            self.dir / "steps",
-            self.dir / "tmp",
-        ):
+        Path(self.config.root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (job_dir, self.dir, *(self.dir / s for s in ("data", "parity", "steps", "tmp"))):
+            d.mkdir(mode=0o700, exist_ok=True)
             os.chmod(d, 0o700)
         for f in (self.dir / "tmp").iterdir():
             f.unlink()
         self.pool = Pool(self.dir, self.config.memory_budget)
 
     def start(self) -> None:
-        self.hosts = self.links.allgather_json(self.host, "host names")
-        dupes = {h for h in self.hosts if self.hosts.count(h) > 1}
+        hosts_by_rank = self.links.allgather_json(self.host, "host names")
+        dupes = sorted({h for h in hosts_by_rank if hosts_by_rank.count(h) > 1})
         if dupes:
             raise ConfigError(
-                f"two daemons claim host(s) {sorted(dupes)}; run one daemon per host, or "
-                "--virtual-hosts to test on one machine"
+                f"two daemons claim host {', '.join(dupes)} (one host directory each); run one "
+                "daemon per host, or --virtual-hosts to test on one machine"
             )
         self._prepare_dirs()
+        self._write_health()
+        self._adopt(hosts_by_rank)
         self.server = Server(self.dir / "ctl.sock", self._handle)
         self.server.start()
         self.links.barrier("start-up")
@@ -282,8 +186,348 @@ class Daemon:
             self.host,
             f"ready: job {self.config.job} slot {self.slot}/{self.nslots} "
             f"group {self.group.index} RS({self.group.k},{self.group.m}) "
-            f"chunk {self.config.chunk_bytes} B, socket {self.dir / 'ctl.sock'}",
+            f"chunk {self.chunk_bytes} B, {len(self.catalog.protected())} protected step(s), "
+            f"socket {self.dir / 'ctl.sock'}",
         )
+
+    def _adopt(self, hosts_by_rank: list[str]) -> None:
+        """Claim a slot, agree on manifests, check chunks, rebuild what was lost (collective)."""
+        valid, bad = recovery.scan(self.dir)
+        for name in bad:
+            self.stats["checksum_failures"] += 1
+            _log(self.host, f"manifest {name} fails its checksum: taking it from a peer")
+            (self.dir / "steps" / name).unlink()
+        newest = valid[max(valid)] if valid else None
+        claim = None
+        layout = None
+        if newest is not None:
+            if self.host in newest["hosts"]:
+                claim = newest["hosts"].index(self.host)
+            layout = {
+                "hosts": len(newest["hosts"]),
+                "groups": newest["groups"],
+                "chunk_bytes": newest["chunk_bytes"],
+            }
+        digests = {str(s): m["checksum"] for s, m in valid.items()}
+        everyone = self.links.allgather_json(
+            {"claim": claim, "layout": layout, "steps": digests}, "adoption"
+        )
+        layouts = [e["layout"] for e in everyone if e["layout"] is not None]
+        if layouts:
+            self._check_layout(layouts)
+        # slots: each claims the one its files name; the rest fill the holes in rank order
+        slot_of_rank: list[int | None] = [e["claim"] for e in everyone]
+        claimed = [s for s in slot_of_rank if s is not None]
+        twice = sorted({s for s in claimed if claimed.count(s) > 1})
+        if twice:
+            raise ConfigError(f"two daemons hold the files of slot(s) {twice}")
+        free = iter(s for s in range(self.nslots) if s not in claimed)
+        final = [s if s is not None else next(free) for s in slot_of_rank]
+        self.slot_of_rank = final
+        self.rank_of = [final.index(s) for s in range(self.nslots)]
+        self.slot = final[self.rank]
+        self.hosts = [hosts_by_rank[self.rank_of[s]] for s in range(self.nslots)]
+        # manifests: each step from the lowest rank holding a valid copy
+        source: dict[str, int] = {}
+        for r, e in enumerate(everyone):
+            for step in e["steps"]:
+                source.setdefault(step, r)
+        share = {s: valid[int(s)] for s, r in source.items() if r == self.rank}
+        manifests: dict[int, dict[str, Any]] = {}
+        for part in self.links.allgather_json(share, "manifests"):
+            manifests.update({int(s): m for s, m in part.items()})
+        for step in sorted(manifests):
+            self.catalog.steps[step] = recovery.rec_from_manifest(manifests[step], self.catalog)
+        self.stats["adopted_steps"] = len(manifests)
+        # every host checks its own chunks; the erasures of all are everyone's to plan
+        t0 = time.monotonic()
+        mine = {str(step): self._verify(rec).to_json() for step, rec in self.catalog.steps.items()}
+        erasures: dict[int, dict[int, Erasures]] = {}
+        for r, part in enumerate(self.links.allgather_json(mine, "erasures")):
+            for step, e in part.items():
+                er = Erasures.from_json(e)
+                if er:
+                    erasures.setdefault(int(step), {})[final[r]] = er
+        if erasures:
+            self.health = "rebuilding"
+            self._write_health()
+        for step in sorted(erasures):
+            self._repair(self.catalog.steps[step], erasures[step])
+        if erasures:
+            self.stats["rebuild_seconds"] += time.monotonic() - t0
+        # files of steps that never became protected (the job died mid-put) are not state
+        keep = {
+            s.buffer
+            for r in self.catalog.steps.values()
+            for s in r.shards.values()
+            if s.slot == self.slot
+        }
+        keep |= {r.parity[self.slot] for r in self.catalog.steps.values() if self.slot in r.parity}
+        removed = self.pool.sweep(keep)
+        for name in list(self.pool.files):
+            if name not in keep:
+                self.pool.drop(name)
+        for step, rec in self.catalog.steps.items():
+            loc = self.local.setdefault(step, _Local())
+            loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == self.slot}
+            loc.parity = rec.parity.get(self.slot)
+            loc.prepared = loc.stored = True
+            if rec.state == "protected":
+                self._write_manifest(rec, loc)
+            else:
+                (self.dir / "steps" / f"{step}.json").unlink(missing_ok=True)
+        self.health = "healthy"
+        self._write_health()
+        if manifests or removed:
+            lost = [s for s, r in self.catalog.steps.items() if r.state == "lost"]
+            _log(
+                self.host,
+                f"adopted {len(manifests)} step(s) as slot {self.slot}; rebuilt "
+                f"{int(self.stats['rebuilt_chunks'])} chunk(s) here; lost steps {lost or 'none'}; "
+                f"removed {len(removed)} file(s) of unfinished steps",
+            )
+
+    def _check_layout(self, layouts: list[dict[str, Any]]) -> None:
+        first = layouts[0]
+        if any(lay != first for lay in layouts):
+            raise ConfigError("hosts hold files of different layouts; wipe the odd ones out")
+        want = {
+            "hosts": self.nslots,
+            "groups": [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in self.groups],
+            "chunk_bytes": self.chunk_bytes,
+        }
+        if first == want:
+            return
+        if (
+            self.config.k is None
+            and first["hosts"] == self.nslots
+            and first["chunk_bytes"] == self.chunk_bytes
+        ):
+            g0 = first["groups"][0]
+            self.k, self.m = g0["k"], g0["m"]
+            self.groups = make_groups(self.nslots, self.k, self.m)
+            self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, self.config.keep)
+            return
+        raise ConfigError(
+            f"the files under {self.dir.parent} were written by {first['hosts']} hosts with "
+            f"groups {[(g['k'], g['m']) for g in first['groups']]} and --chunk-bytes "
+            f"{first['chunk_bytes']}; this job runs {self.nslots} hosts with "
+            f"{[(g.k, g.m) for g in self.groups]} and --chunk-bytes {self.chunk_bytes}. "
+            "Relaunch with the same arguments, or use a new --job (or root) to start afresh."
+        )
+
+    def _write_health(self) -> None:
+        body = {
+            "host": self.host,
+            "slot": self.slot,
+            "health": self.health,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "rebuilt_chunks": self.stats["rebuilt_chunks"],
+            "lost_steps": sorted(s for s, r in self.catalog.steps.items() if r.state == "lost"),
+        }
+        tmp = self.dir / "health.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, self.dir / "health.json")
+
+    # -- checking and repairing chunks -------------------------------------------------------------
+
+    def _my_layout(self, rec: StepRec) -> tuple[Any, int]:
+        g = self.group
+        return rec.layouts[g.index], g.position(self.slot)
+
+    def _verify(self, rec: StepRec, ranks: Iterable[int] | None = None) -> Erasures:
+        """Check this host's chunks of ``rec`` (all, or only ``ranks``' data) against the manifest.
+
+        Missing or short files and checksum mismatches are erasures. Adopts files into the pool.
+        """
+        e = Erasures()
+        crcs = rec.stored.get(self.slot, {})
+        data_crc, parity_crc = crcs.get("data", []), crcs.get("parity", [])
+        blob = rec.blobs[self.slot]
+        only = set(ranks) if ranks is not None else None
+        for c, ref in enumerate(blob.chunks):
+            if only is not None and ref.rank not in only:
+                continue
+            buf = self._shard_buffer(rec, ref.rank)
+            if buf is None or c >= len(data_crc):
+                e.data.add(c)
+                continue
+            if checksum(buf.file.array[ref.offset : ref.offset + ref.length]) != data_crc[c]:
+                e.data.add(c)
+        if only is None:
+            layout, pos = self._my_layout(rec)
+            n = len(layout.parity_stripes[pos])
+            if n:
+                cb = self.chunk_bytes
+                name = rec.parity.get(self.slot)
+                buf = self._file(name, n * cb) if name else None
+                for i in range(n):
+                    if (
+                        buf is None
+                        or i >= len(parity_crc)
+                        or checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]
+                    ):
+                        e.parity.add(i)
+        if e:
+            self.stats["checksum_failures"] += len(e.data) + len(e.parity)
+        return e
+
+    def _file(self, name: str, size: int) -> Any:
+        """The pool's buffer ``name`` if its file is whole (at least ``size`` bytes), else None."""
+        try:
+            if self.pool.path(name).stat().st_size < max(size, 1):
+                return None  # truncated: never touch the mapping (SIGBUS)
+        except OSError:
+            return None
+        with self.pool.lock:
+            buf = self.pool.files.get(name)
+        return buf if buf is not None else self.pool.adopt(name, size)
+
+    def _shard_buffer(self, rec: StepRec, rank: int) -> Any:
+        shard = rec.shards[rank]
+        return self._file(shard.buffer, shard.nbytes)
+
+    def _repair(self, rec: StepRec, erased: dict[int, Erasures]) -> None:
+        """Rebuild the erased chunks of ``rec`` from their stripes (collective: every daemon calls
+        this for the same step with the same ``erased``). More than m erasures in any stripe make
+        the step lost instead."""
+        t0 = time.monotonic()
+        plans = {}
+        lost_slots: set[int] = set()
+        for g in self.groups:
+            layout = rec.layouts[g.index]
+            by_pos = {g.position(s): e for s, e in erased.items() if s in g.slots and e}
+            plans[g.index] = plan_repair(layout, by_pos)
+            if not plans[g.index].recoverable:
+                lost_slots |= {s for s, e in erased.items() if s in g.slots and e}
+        if lost_slots:
+            hosts, ranks = recovery.lost_parts(
+                rec, self.catalog, {s: erased[s] for s in lost_slots}, self.hosts
+            )
+            rec.state = "lost"
+            rec.lost = {"lost_hosts": hosts, "ranks": ranks}
+            self.stats["lost_steps"] += 1
+            (self.dir / "steps" / f"{rec.step}.json").unlink(missing_ok=True)
+            _log(
+                self.host,
+                f"step {rec.step} cannot be rebuilt: more than m chunks of a stripe "
+                f"lost on {hosts} (ranks {ranks})",
+            )
+            return
+        g = self.group
+        layout, pos = self._my_layout(rec)
+        plan = plans[g.index]
+        k, cb = g.k, self.chunk_bytes
+        rs = self._codec(k, g.m)
+        mine = erased.get(self.slot, Erasures())
+        # fresh files for what this host lost whole
+        changed: dict[str, Any] = {}
+        for c in sorted(mine.data):
+            rank = rec.blobs[self.slot].chunks[c].rank
+            if self._shard_buffer(rec, rank) is None:
+                nbytes = rec.shards[rank].nbytes
+                buf = self.pool.take(nbytes, f"r{rank}-")
+                rec.shards[rank].buffer = buf.name
+                changed.setdefault("buffers", {})[str(rank)] = buf.name
+        if mine.parity:
+            n = len(layout.parity_stripes[pos])
+            name = rec.parity.get(self.slot)
+            if name is None or self._file(name, n * cb) is None:
+                buf = self.pool.take(n * cb, "p")
+                rec.parity[self.slot] = buf.name
+                changed["parity"] = buf.name
+        window = self.config.window
+        stripes = sorted(plan.stripes)
+        rebuilt = 0
+        for w0 in range(0, len(stripes), window):
+            batch = stripes[w0 : w0 + window]
+            scratch = self._scratch_for(window * (k + 1))
+            reqs: list[Any] = []
+            jobs = []
+            for b, s in enumerate(batch):
+                erased_idx, sources = plan.stripes[s]
+                decoders = sorted({holder(layout, s, e) for e in erased_idx})
+                for d in decoders:
+                    avail: dict[int, Any] = {}
+                    for a_i, a in enumerate(sources):
+                        h = holder(layout, s, a)
+                        view = None
+                        if a < k and layout.data_chunk(s, a) is None:
+                            if d == pos:
+                                avail[a] = zeros(cb)
+                            continue
+                        if h == pos:
+                            view = self._stripe_chunk(rec, layout, s, a)
+                        if d == pos:
+                            row = scratch[b * (k + 1) + a_i]
+                            if h == pos:
+                                assert view is not None
+                                row[: view.nbytes] = view
+                                row[view.nbytes :] = 0
+                            else:
+                                length = self._chunk_length(rec, layout, s, a)
+                                row[length:] = 0
+                                reqs += self.links.irecv(
+                                    row[:length], self.rank_of[g.slots[h]], TAG_REPAIR
+                                )
+                            avail[a] = row
+                        elif h == pos:
+                            assert view is not None
+                            reqs += self.links.isend(view, self.rank_of[g.slots[d]], TAG_REPAIR)
+                    if d == pos:
+                        target = next(e for e in erased_idx if holder(layout, s, e) == pos)
+                        jobs.append((s, b, target, avail))
+            self.links.wait(reqs, f"repair of step {rec.step}", busy=True)
+            for s, b, target, avail in jobs:
+                out = scratch[b * (k + 1) + k]
+                rs.decode_into(avail, {target: out})
+                dest = self._stripe_chunk(rec, layout, s, target)
+                dest[:] = out[: dest.nbytes]
+                rebuilt += 1
+                self.stats["decode_bytes"] += k * cb
+        # everyone learns the new file names, and rewrites its manifest
+        for r, part in enumerate(self.links.allgather_json(changed, f"repair of {rec.step}")):
+            slot = self.slot_of_rank[r]
+            for rank, name in part.get("buffers", {}).items():
+                rec.shards[int(rank)].buffer = name
+            if part.get("parity"):
+                rec.parity[slot] = part["parity"]
+        if mine:
+            left = self._verify(rec)
+            if left:
+                raise StorageError(f"step {rec.step}: rebuilt chunks fail their checksums: {left}")
+        self.stats["rebuilt_chunks"] += rebuilt
+        self.stats["rebuilds"] += 1
+        self.stats["rebuild_seconds"] += time.monotonic() - t0
+        loc = self.local.get(rec.step)
+        if loc is not None:
+            loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == self.slot}
+            loc.parity = rec.parity.get(self.slot)
+            if rec.state == "protected":
+                self._write_manifest(rec, loc)
+
+    def _chunk_length(self, rec: StepRec, layout: Any, s: int, index: int) -> int:
+        if index >= layout.k:
+            return self.chunk_bytes
+        c = layout.data_chunk(s, index)
+        p = layout.data_position(s, index)
+        return int(rec.blobs[layout.group.slots[p]].chunks[c].length)
+
+    def _stripe_chunk(self, rec: StepRec, layout: Any, s: int, index: int) -> Any:
+        """This host's bytes of chunk ``index`` of stripe ``s`` (a view into its file)."""
+        cb = self.chunk_bytes
+        pos = layout.group.position(self.slot)
+        if index >= layout.k:
+            slot_i = layout.parity_slot(pos, s)
+            name = rec.parity[self.slot]
+            return self.pool.get(name).file.array[slot_i * cb : (slot_i + 1) * cb]
+        c = layout.data_chunk(s, index)
+        ref = rec.blobs[self.slot].chunks[c]
+        buf = self.pool.get(rec.shards[ref.rank].buffer)
+        return buf.file.array[ref.offset : ref.offset + ref.length]
 
     # -- the MPI engine --------------------------------------------------------------------------
 
@@ -300,13 +544,18 @@ class Daemon:
             )
             busy = any(p["ev"] for p in everyone)
             with self.cond:
-                for slot, payload in enumerate(everyone):
+                for r, payload in enumerate(everyone):
+                    slot = self.slot_of_rank[r]
                     for event in payload["ev"]:
-                        if event.get("e") == "fetch":
+                        kind = event.get("e")
+                        if kind == "fetch":
                             self.fetches.append(event)
                             continue
+                        if kind == "repair":
+                            self.repairs.append(event)
+                            continue
                         self.catalog.apply(slot, event)
-                        if event.get("e") == "staged" and slot == self.slot:
+                        if kind == "staged" and slot == self.slot:
                             step, shard = int(event["step"]), event["shard"]
                             loc = self.local.setdefault(step, _Local())
                             loc.buffers[int(shard["rank"])] = str(shard["buffer"])
@@ -336,19 +585,19 @@ class Daemon:
                 self._prepare(rec, loc)
             elif rec.state == "encoding" and not loc.stored:
                 self._exchange(rec, loc)
+        self._serve_repairs()
         self._serve_fetches()
         with self.cond:
             for rec in list(self.catalog.steps.values()):
                 loc = self.local[rec.step]
                 if rec.state == "protected" and not loc.manifest:
-                    loc.manifest = True
                     self._write_manifest(rec, loc)
+                    self.stats["steps_protected"] += 1
                     loc.t["protected"] = time.monotonic()
                     if self.trace:
                         t0 = loc.t.get("staged", loc.t.get("ready", 0.0))
                         phases = " ".join(f"{k}=+{(v - t0) * 1e3:.1f}ms" for k, v in loc.t.items())
                         _log(self.host, f"step {rec.step}: {phases}")
-                    self.stats["steps_protected"] += 1
                 if rec.state == "failed":
                     self._forget(rec.step)
             for step in [s for s in self.local if s not in self.catalog.steps]:
@@ -367,10 +616,7 @@ class Daemon:
         if rec is not None and rec.state == "failed":
             self.catalog.steps.pop(step, None)
             self._failed[step] = rec.error or "failed"
-        try:
-            (self.dir / "steps" / f"{step}.json").unlink()
-        except FileNotFoundError:
-            pass
+        (self.dir / "steps" / f"{step}.json").unlink(missing_ok=True)
 
     def _prepare(self, rec: StepRec, loc: _Local) -> None:
         """Reserve parity memory, start checksumming this host's data chunks; report next round.
@@ -380,12 +626,11 @@ class Daemon:
         """
         loc.prepared = True
         loc.t["ready"] = time.monotonic()
-        layout = rec.layouts[self.group.index]
-        pos = self.group.position(self.slot)
+        layout, pos = self._my_layout(rec)
         nparity = len(layout.parity_stripes[pos])
         error = None
         try:
-            buf = self.pool.take(nparity * self.config.chunk_bytes, "p")
+            buf = self.pool.take(nparity * self.chunk_bytes, "p")
             loc.parity = buf.name
         except CapacityError as exc:
             error = str(exc)
@@ -408,10 +653,10 @@ class Daemon:
         return rs
 
     def _scratch_for(self, rows: int) -> np.ndarray[Any, Any]:
-        key = (rows, self.config.chunk_bytes)
+        key = (rows, self.chunk_bytes)
         s = self._scratch.get(key)
         if s is None:
-            s = np.zeros((rows, self.config.chunk_bytes), dtype=np.uint8)
+            s = np.zeros((rows, self.chunk_bytes), dtype=np.uint8)
             self._scratch[key] = s
         return s
 
@@ -424,9 +669,9 @@ class Daemon:
         loc.stored = True
         loc.t["exchange"] = time.monotonic()
         g = self.group
-        layout = rec.layouts[g.index]
-        pos = g.position(self.slot)
-        k, m, cb = g.k, g.m, self.config.chunk_bytes
+        layout, pos = self._my_layout(rec)
+        k, m, cb = g.k, g.m, self.chunk_bytes
+        rank_at = [self.rank_of[s] for s in g.slots]  # group position -> MPI rank
         rs = self._codec(k, m)
         parity = self.pool.get(loc.parity).file.array if loc.parity else None
         window = self.config.window
@@ -447,7 +692,7 @@ class Daemon:
                         c = layout.data_chunk(s, j)
                         if c is not None:
                             data_reqs += self.links.isend(
-                                self._chunk_view(rec, c), g.slots[encoder], TAG_DATA
+                                self._chunk_view(rec, c), rank_at[encoder], TAG_DATA
                             )
                 if encoder == pos:
                     mine_to_encode.append(s)
@@ -462,11 +707,11 @@ class Daemon:
                         length = blobs[dpos].chunks[c].length
                         if length < cb:
                             dst[length:] = 0
-                        data_reqs += self.links.irecv(dst[:length], g.slots[dpos], TAG_DATA)
+                        data_reqs += self.links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
                 elif pos in ppos and parity is not None:
                     slot_i = layout.parity_slot(pos, s)
                     dst = parity[slot_i * cb : (slot_i + 1) * cb]
-                    parity_reqs += self.links.irecv(dst, g.slots[encoder], TAG_PARITY)
+                    parity_reqs += self.links.irecv(dst, rank_at[encoder], TAG_PARITY)
             self.links.wait(data_reqs, f"data exchange of step {rec.step}", busy=True)
             for s in mine_to_encode:
                 assert parity is not None
@@ -480,7 +725,7 @@ class Daemon:
                 t_encode += time.perf_counter() - t0
                 ppos = layout.parity_positions(s)
                 for i in range(1, m):
-                    parity_reqs += self.links.isend(outs[i], g.slots[ppos[i]], TAG_PARITY)
+                    parity_reqs += self.links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
             self.links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=True)
         encoded_stripes = sum(
             1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos
@@ -498,9 +743,28 @@ class Daemon:
                 {
                     "e": "stored",
                     "step": rec.step,
+                    "parity": loc.parity,
                     "crc": {"data": loc.data_crc, "parity": loc.parity_crc},
                 }
             )
+
+    def _serve_repairs(self) -> None:
+        """Repair chunks a read found bad (every daemon runs the same repairs, in order)."""
+        with self.lock:
+            repairs, self.repairs = self.repairs, []
+        for r in repairs:
+            rec = self.catalog.steps.get(int(r["step"]))
+            if rec is None or rec.state != "protected":
+                continue
+            er = Erasures.from_json(r)
+            try:
+                self._repair(rec, {int(r["slot"]): er})
+            except CapacityError as exc:
+                _log(self.host, f"repair of step {rec.step} failed: {exc}")
+        if repairs:
+            with self.cond:
+                self.repairs_done |= {str(r["id"]) for r in repairs if "id" in r}
+                self.cond.notify_all()
 
     def _serve_fetches(self) -> None:
         """Move shards to the hosts that asked for them (a rank read from another host)."""
@@ -509,19 +773,20 @@ class Daemon:
         for f in fetches:
             rec = self.catalog.steps.get(int(f["step"]))
             to = int(f["to"])
-            result: dict[str, Any]
             if rec is None or rec.state != "protected" or int(f["rank"]) not in rec.shards:
-                result = {"error": "gone"}
                 if to == self.slot:
-                    self._fetch_finish(f["id"], result)
+                    self._fetch_finish(f["id"], {"error": "gone"})
                 continue
             shard = rec.shards[int(f["rank"])]
             if shard.slot == self.slot and to != self.slot:
                 view = self.pool.get(shard.buffer).file.array[: shard.nbytes]
                 self.links.wait(
-                    self.links.isend(view, to, TAG_FETCH), "shard fetch (send)", busy=True
+                    self.links.isend(view, self.rank_of[to], TAG_FETCH),
+                    "shard fetch (send)",
+                    busy=True,
                 )
             elif to == self.slot:
+                src = self.rank_of[shard.slot]
                 path = self.dir / "tmp" / f"fetch-{f['id']}"
                 try:
                     tmp = shm.create(path, max(shard.nbytes, 1), prefault_pages=False)
@@ -529,19 +794,36 @@ class Daemon:
                     # the holder sends regardless: drain it into scratch so MPI stays in step
                     sink = np.empty(shard.nbytes, dtype=np.uint8)
                     self.links.wait(
-                        self.links.irecv(sink, shard.slot, TAG_FETCH), "shard fetch", busy=True
+                        self.links.irecv(sink, src, TAG_FETCH), "shard fetch", busy=True
                     )
-                    self._fetch_finish(
-                        f["id"], {"error": f"no memory for the fetched shard: {exc}"}
-                    )
+                    error = f"no memory for the fetched shard: {exc}"
+                    self._fetch_finish(f["id"], {"error": error})
                     continue
                 self.links.wait(
-                    self.links.irecv(tmp.array[: shard.nbytes], shard.slot, TAG_FETCH),
+                    self.links.irecv(tmp.array[: shard.nbytes], src, TAG_FETCH),
                     "shard fetch (receive)",
                     busy=True,
                 )
+                bad = self._bad_chunks(rec, shard.rank, tmp.array)
                 tmp.close()
-                self._fetch_finish(f["id"], {"path": str(path), "size": max(shard.nbytes, 1)})
+                result: dict[str, Any] = {"path": str(path), "size": max(shard.nbytes, 1)}
+                if bad:
+                    self.stats["checksum_failures"] += len(bad)
+                    path.unlink(missing_ok=True)
+                    result = {"bad": bad, "slot": shard.slot}
+                self._fetch_finish(f["id"], result)
+
+    def _bad_chunks(self, rec: StepRec, rank: int, data: np.ndarray[Any, Any]) -> list[int]:
+        """Blob chunk indexes of ``rank``'s shard (bytes in ``data``) that fail their checksum."""
+        shard = rec.shards[rank]
+        crc = rec.stored.get(shard.slot, {}).get("data", [])
+        bad = []
+        for c, ref in enumerate(rec.blobs[shard.slot].chunks):
+            if ref.rank == rank and (
+                c >= len(crc) or checksum(data[ref.offset : ref.offset + ref.length]) != crc[c]
+            ):
+                bad.append(c)
+        return bad
 
     def _fetch_finish(self, fid: str, result: dict[str, Any]) -> None:
         with self.cond:
@@ -549,26 +831,9 @@ class Daemon:
             self.cond.notify_all()
 
     def _write_manifest(self, rec: StepRec, loc: _Local) -> None:
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "job": self.config.job,
-            "step": rec.step,
-            "world_size": rec.world_size,
-            "hosts": self.hosts,
-            "chunk_bytes": self.config.chunk_bytes,
-            "groups": [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in self.groups],
-            "shards": [s.to_json() for s in sorted(rec.shards.values(), key=lambda s: s.rank)],
-            "crc": {str(slot): c for slot, c in rec.stored.items()},
-            "parity": loc.parity,
-        }
-        body = json.dumps(manifest, separators=(",", ":"))
-        manifest["checksum"] = checksum(body.encode())
-        path = self.dir / "steps" / f"{rec.step}.json"
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        loc.manifest = True
+        manifest = recovery.manifest_of(rec, self.catalog, self.config.job, self.hosts)
+        recovery.write_manifest(self.dir / "steps" / f"{rec.step}.json", manifest)
 
     # -- trainer requests (control-socket threads) ------------------------------------------------
 
@@ -595,6 +860,7 @@ class Daemon:
             "host": self.host,
             "slot": self.slot,
             "hosts": self.hosts,
+            "health": self.health,
             "k": self.group.k,
             "m": self.group.m,
             "chunk_bytes": self.config.chunk_bytes,
@@ -696,6 +962,21 @@ class Daemon:
             if type(step) is not int or step < 0:
                 raise StorageError(f"step must be an int >= 0 or None, got {step!r}")
             rec = self.catalog.steps.get(step)
+            if rec is not None and rec.state == "lost":
+                newest = self.catalog.latest()
+                raise SnapshotUnrecoverableError(
+                    f"step {step} cannot be rebuilt: hosts {rec.lost['lost_hosts']} lost more "
+                    f"than m={self.m} chunks of a stripe, so ranks {rec.lost['ranks']} are gone. "
+                    + (
+                        f"The newest step that can be read is {newest}: get(None) returns it."
+                        if newest is not None
+                        else "No step can be read from memory."
+                    ),
+                    lost_hosts=rec.lost["lost_hosts"],
+                    ranks=rec.lost["ranks"],
+                    newest_recoverable=newest,
+                    step=step,
+                )
             if rec is None or rec.state != "protected":
                 held = self.catalog.protected()
                 raise StepNotFoundError(
@@ -706,22 +987,52 @@ class Daemon:
             return rec
 
     def _op_get(self, msg: dict[str, Any]) -> dict[str, Any]:
-        rec = self._resolve(msg.get("step"))
+        """A shard: from this host's memory (checked), or fetched from the host holding it.
+
+        A chunk that fails its checksum (or a truncated file) is repaired from its group by all
+        daemons in the next round, and the read tried again.
+        """
         rank = self._int(msg, "rank")
-        shard = rec.shards.get(rank)
-        if shard is None:
-            raise StepNotFoundError(
-                f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
-            )
-        out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
-        if shard.slot == self.slot:
-            buf = self.pool.get(shard.buffer)
-            return {
-                **out,
-                "path": str(self.pool.path(shard.buffer)),
-                "size": buf.size,
-                "temp": False,
-            }
+        for _attempt in range(3):
+            rec = self._resolve(msg.get("step"))
+            shard = rec.shards.get(rank)
+            if shard is None:
+                raise StepNotFoundError(
+                    f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
+                )
+            out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
+            if shard.slot == self.slot:
+                buf = self._shard_buffer(rec, rank)
+                bad = (
+                    [c for c, ref in enumerate(rec.blobs[self.slot].chunks) if ref.rank == rank]
+                    if buf is None
+                    else self._bad_chunks(rec, rank, buf.file.array)
+                )
+                if not bad:
+                    return {
+                        **out,
+                        "path": str(self.pool.path(shard.buffer)),
+                        "size": buf.size,
+                        "temp": False,
+                    }
+                self.stats["checksum_failures"] += len(bad)
+                _log(
+                    self.host,
+                    f"step {rec.step} rank {rank}: {len(bad)} chunk(s) fail their "
+                    "checksum here; repairing from the group",
+                )
+                self._repair_and_wait(rec.step, self.slot, bad)
+                continue
+            result = self._fetch(rec, rank)
+            if "bad" in result:
+                self._repair_and_wait(rec.step, int(result["slot"]), result["bad"])
+                continue
+            return {**out, "path": result["path"], "size": result["size"], "temp": True}
+        raise StorageError(
+            f"step {msg.get('step')} rank {rank}: chunks still fail their checksums after repair"
+        )
+
+    def _fetch(self, rec: StepRec, rank: int) -> dict[str, Any]:
         with self.cond:
             self._fetch_seq += 1
             fid = f"{self.slot}-{os.getpid()}-{self._fetch_seq}"
@@ -738,7 +1049,23 @@ class Daemon:
             result = self.fetch_done.pop(fid)
         if "error" in result:
             raise StepNotFoundError(f"step {rec.step} rank {rank}: {result['error']}", rec.step)
-        return {**out, "path": result["path"], "size": result["size"], "temp": True}
+        return result
+
+    def _repair_and_wait(self, step: int, slot: int, data: list[int]) -> None:
+        with self.cond:
+            self._fetch_seq += 1
+            rid = f"r{self.slot}-{os.getpid()}-{self._fetch_seq}"
+            self.events.append(
+                {"e": "repair", "id": rid, "step": step, "slot": slot, "data": data, "parity": []}
+            )
+            self.wake.set()
+            deadline = time.monotonic() + self.config.peer_timeout
+            while rid not in self.repairs_done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(f"repair of step {step} timed out")
+                self.cond.wait(min(left, 1.0))
+            self.repairs_done.discard(rid)
 
     def _op_release(self, msg: dict[str, Any]) -> dict[str, Any]:
         path = Path(str(msg.get("path")))
@@ -788,26 +1115,19 @@ class Daemon:
         return {}
 
     def _op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Counters for benchmarks and status: bytes held and moved."""
+        """Counters for benchmarks and status: bytes held and moved, health, repairs."""
         with self.lock:
-            data = sum(
-                s.nbytes
-                for r in self.catalog.steps.values()
-                for s in r.shards.values()
-                if s.slot == self.slot and r.state == "protected"
-            )
-            parity = 0
+            data = parity = 0
             for r in self.catalog.steps.values():
-                loc = self.local.get(r.step)
-                if r.state == "protected" and loc is not None and loc.parity:
-                    lay = r.layouts[self.group.index]
-                    parity += (
-                        len(lay.parity_stripes[self.group.position(self.slot)])
-                        * self.config.chunk_bytes
-                    )
+                if r.state != "protected":
+                    continue
+                data += sum(s.nbytes for s in r.shards.values() if s.slot == self.slot)
+                layout, pos = self._my_layout(r)
+                parity += len(layout.parity_stripes[pos]) * self.chunk_bytes
             return {
                 "host": self.host,
                 "slot": self.slot,
+                "health": self.health,
                 "data_bytes": data,
                 "parity_bytes": parity,
                 "pool_bytes": self.pool.used,
@@ -815,6 +1135,9 @@ class Daemon:
                 "received_bytes": self.links.counters.received,
                 "stats": dict(self.stats),
                 "protected": self.catalog.protected(),
+                "lost": {
+                    str(s): r.lost for s, r in self.catalog.steps.items() if r.state == "lost"
+                },
             }
 
     def close(self) -> None:
