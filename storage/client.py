@@ -31,6 +31,9 @@ from transport.errors import ProtocolError
 
 __all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
 
+# requests a restarted daemon can answer as well as the one that died
+_RETRYABLE = frozenset({"hello", "alloc", "get", "steps", "status", "info", "delete"})
+
 
 def _env_int(*names: str) -> int | None:
     for n in names:
@@ -132,12 +135,33 @@ class Store:
     def _request(
         self, message: dict[str, Any], conn: control.Connection | None = None
     ) -> dict[str, Any]:
+        """Send one request and return the reply, raising the daemon's error as its own class.
+
+        On the Store's own connection, a request the daemon can repeat safely is retried once
+        after reconnecting (a restarted daemon, within ``timeout``); anything else that loses
+        its daemon raises :class:`DaemonUnavailableError`.
+        """
         try:
-            if conn is None:
-                with self._lock:
-                    reply = self._conn.request(message)
-            else:
+            if conn is not None:
                 reply = conn.request(message)
+            else:
+                with self._lock:
+                    try:
+                        reply = self._conn.request(message)
+                    except (OSError, ProtocolError):
+                        reply = None
+                    if reply is None and message.get("op") in _RETRYABLE and not self._closed:
+                        self._conn.close()
+                        self._conn = self._open()
+                        hello = self._conn.request(
+                            {"op": "hello", "job": self.job, "rank": self.rank}
+                        )
+                        if hello is None or not hello.get("ok"):
+                            raise DaemonUnavailableError(
+                                f"the daemon at {self.socket_path} came back but refused us"
+                            )
+                        self.hosts = hello["hosts"]
+                        reply = self._conn.request(message)
         except (OSError, ProtocolError) as exc:
             raise DaemonUnavailableError(f"lost the daemon at {self.socket_path}: {exc}") from exc
         if reply is None:

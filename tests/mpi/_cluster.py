@@ -86,11 +86,12 @@ class Cluster:
         params: dict[str, Any],
         timeout: float = 120.0,
         hosts: list[str] | None = None,
+        only: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Run ``world`` trainer processes (rank r on host r // per_host); return their results."""
         names = hosts or self.host_names
         procs = []
-        for rank in range(world):
+        for rank in only if only is not None else range(world):
             spec = {
                 "scenario": scenario,
                 "job": self.job,

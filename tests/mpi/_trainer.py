@@ -122,7 +122,47 @@ def bad_input(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[st
     return {"errors": errors}
 
 
-SCENARIOS = {f.__name__: f for f in (round_trip, partial, capacity, bad_input)}
+def put(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Put ``steps`` (all protected); then ``partial`` steps only staged, by ``partial_ranks``."""
+    for step in p.get("steps", []):
+        store.put(step, make_state(rank, step)).wait(60)
+    for step in p.get("partial", []):
+        if rank in p.get("partial_ranks", []):
+            store.put(step, make_state(rank, step)).staged.result(60)
+    return {"steps": store.steps()}
+
+
+def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Read every rank of ``steps`` from this host and compare bit for bit; report errors."""
+    out: dict[str, Any] = {"steps": store.steps(), "latest": store.latest_step(), "errors": {}}
+    before = store.info()
+    for step in p.get("steps", []):
+        for r in p.get("ranks", range(world)):
+            try:
+                assert_same(store.get(step, rank=r), make_state(r, step), f"step {step} rank {r}")
+            except storage.SnapshotUnrecoverableError as exc:
+                out["errors"][f"{step}/{r}"] = {
+                    "type": "unrecoverable",
+                    "lost_hosts": exc.lost_hosts,
+                    "ranks": exc.ranks,
+                    "newest": exc.newest_recoverable,
+                    "msg": str(exc),
+                }
+            except storage.StepNotFoundError as exc:
+                out["errors"][f"{step}/{r}"] = {"type": "not_found", "msg": str(exc)}
+    if p.get("get_none"):
+        latest = store.latest_step()
+        got = store.get()
+        assert_same(got, make_state(rank, latest))
+        out["get_none"] = latest
+    after = store.info()
+    out["sent_delta"] = after["sent_bytes"] - before["sent_bytes"]
+    out["received_delta"] = after["received_bytes"] - before["received_bytes"]
+    out["info"] = after
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (round_trip, partial, capacity, bad_input, put, check)}
 
 
 def main() -> None:

@@ -1,0 +1,180 @@
+"""The recovery playbook, in the spirit of SCR's: kill, wipe, corrupt, relaunch, read bit-exact.
+
+Every read is compared bit for bit with the state that was put (regenerated from its seed).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from storage.placement import Group, StripeLayout
+
+from ._cluster import Cluster
+
+HOSTS = ["host0", "host1", "host2", "host3"]
+
+
+def _manifest(root: Path, job: str, host: str, step: int) -> dict[str, Any]:
+    return json.loads((root / job / host / "steps" / f"{step}.json").read_text())
+
+
+def _flip(path: Path, offset: int = 4096 + 17) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def _data_file(root: Path, job: str, host: str, step: int, rank: int) -> Path:
+    m = _manifest(root, job, host, step)
+    shard = next(s for s in m["shards"] if s["rank"] == rank)
+    return root / job / host / "data" / shard["buffer"]
+
+
+def _relaunch(old: Cluster, **kw: Any) -> Cluster:
+    return Cluster(old.root, hosts=old.hosts, job=old.job, **kw)
+
+
+def test_playbook_k3_m1(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=4, k=3, m=1)
+    try:
+        c.trainers(
+            "put",
+            world=4,
+            per_host=1,
+            params={"steps": [1, 2], "partial": [3], "partial_ranks": [0, 1]},
+        )
+        # a trainer crash: a new process reads from its own host's memory, no network
+        [r] = c.trainers(
+            "check", world=4, per_host=1, only=[0], params={"steps": [2], "ranks": [0]}
+        )
+        assert r["errors"] == {} and r["steps"] == [1, 2]
+        assert r["sent_delta"] == 0 and r["received_delta"] == 0
+        # the daemons die (SIGKILL, the whole job) with step 3 half put
+        c.kill()
+        c = _relaunch(c, k=3, m=1)
+        [r] = c.trainers("check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
+        assert r["errors"] == {} and r["steps"] == [1, 2], r
+        assert not (shm_root / c.job / "host0" / "steps" / "3.json").exists()
+        # lose host1 whole; the relaunched job rebuilds it, then lose host2 of the same group
+        for lost in ("host1", "host2"):
+            c.kill()
+            shutil.rmtree(shm_root / c.job / lost)
+            c = _relaunch(c, k=3, m=1)
+            assert "rebuilt" in c.log.read_text()
+            [r] = c.trainers(
+                "check", world=4, per_host=1, only=[0], params={"steps": [1, 2]}, hosts=[lost] * 4
+            )
+            assert r["errors"] == {}, r
+            assert r["info"]["health"] == "healthy"
+            assert r["info"]["stats"]["rebuilt_chunks"] > 0
+        # a flipped byte in a data chunk, found by a read while serving, repaired from the group
+        _flip(_data_file(shm_root, c.job, "host3", 2, 3))
+        [r] = c.trainers(
+            "check",
+            world=4,
+            per_host=1,
+            only=[0],
+            params={"steps": [2], "ranks": [3]},
+            hosts=["host3"] * 4,
+        )
+        assert r["errors"] == {} and r["info"]["stats"]["checksum_failures"] >= 1, r
+        # with the job down: a flipped parity byte, a truncated data file, a corrupted manifest
+        c.kill()
+        m = _manifest(shm_root, c.job, "host0", 2)
+        _flip(shm_root / c.job / "host1" / "parity" / m["parity"]["1"], 100)
+        data = _data_file(shm_root, c.job, "host2", 1, 2)
+        with data.open("r+b") as f:
+            f.truncate(1000)
+        mpath = shm_root / c.job / "host0" / "steps" / "1.json"
+        mpath.write_text(mpath.read_text().replace('"world_size":4', '"world_size":5'))
+        c = _relaunch(c, k=3, m=1)
+        log = c.log.read_text()
+        assert "fails its checksum" in log, log
+        [r] = c.trainers("check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
+        assert r["errors"] == {}, r
+        assert json.loads(mpath.read_text())["world_size"] == 4  # taken back from a peer
+        # more than m=1 hosts of the group lost: a clear error naming them, no wrong bytes
+        c.kill()
+        shutil.rmtree(shm_root / c.job / "host0")
+        shutil.rmtree(shm_root / c.job / "host3")
+        c = _relaunch(c, k=3, m=1)
+        [r] = c.trainers(
+            "check", world=4, per_host=1, only=[0], params={"steps": [2]}, hosts=["host1"] * 4
+        )
+        err = r["errors"]["2/0"]
+        assert err["type"] == "unrecoverable", r
+        assert sorted(err["lost_hosts"]) == ["host0", "host3"] and err["ranks"] == [0, 3]
+        assert err["newest"] is None and r["steps"] == []
+    finally:
+        c.stop()
+
+
+def test_playbook_k2_m2_two_losses_permuted_slots_new_host(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=4, k=2, m=2)
+    try:
+        c.trainers("put", world=8, per_host=2, params={"steps": [5, 6]})
+        # two hosts of a k=2 m=2 group at once
+        c.kill()
+        shutil.rmtree(shm_root / c.job / "host0")
+        shutil.rmtree(shm_root / c.job / "host2")
+        c = _relaunch(c, k=2, m=2)
+        [r] = c.trainers(
+            "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host0"] * 8
+        )
+        assert r["errors"] == {}, r
+        # the same hosts on other MPI ranks: each claims its own slot again
+        c.kill()
+        c = _relaunch(c, k=2, m=2, host_names=["host3", "host2", "host1", "host0"])
+        [r] = c.trainers(
+            "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host2"] * 8
+        )
+        assert r["errors"] == {} and r["info"]["slot"] == 2, r
+        # a new, empty machine instead of host1: it takes host1's slot and rebuilds its shards
+        c.kill()
+        shutil.rmtree(shm_root / c.job / "host1")
+        c = _relaunch(c, k=2, m=2, host_names=["host0", "hostX", "host2", "host3"])
+        [r] = c.trainers(
+            "check",
+            world=8,
+            per_host=2,
+            only=[0],
+            params={"steps": [5, 6], "get_none": True},
+            hosts=["hostX"] * 8,
+        )
+        assert r["errors"] == {} and r["info"]["slot"] == 1, r
+        assert r["get_none"] == 6
+    finally:
+        c.stop()
+
+
+def test_beyond_m_falls_back_to_newest_recoverable(shm_root: Path) -> None:
+    """Corrupt one chunk of step 2 on two hosts of a stripe (m=1): step 2 is lost, step 1 is not."""
+    c = Cluster(shm_root, hosts=4, k=3, m=1)
+    try:
+        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        c.kill()
+        # the first data chunks of host1 and host2 both sit in stripe 0: two erasures, m=1
+        lay = StripeLayout(Group(0, (0, 1, 2, 3), 3, 1), [1, 1, 1, 1])
+        assert lay.data_stripes[1][0] == lay.data_stripes[2][0] == 0
+        for host, rank in (("host1", 1), ("host2", 2)):
+            _flip(_data_file(shm_root, c.job, host, 2, rank), 10)
+        c = _relaunch(c, k=3, m=1)
+        [r] = c.trainers(
+            "check",
+            world=4,
+            per_host=1,
+            only=[0],
+            params={"steps": [2], "get_none": True},
+            hosts=["host3"] * 4,
+        )
+        err = r["errors"]["2/0"]
+        assert err["type"] == "unrecoverable" and err["newest"] == 1, r
+        assert sorted(err["lost_hosts"]) == ["host1", "host2"], r
+        assert r["get_none"] == 1 and r["steps"] == [1]
+    finally:
+        c.stop()
