@@ -162,7 +162,29 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (round_trip, partial, capacity, bad_input, put, check)}
+def interactive(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Put step 1; put step 2 alone (never protected); then let the test kill and relaunch the
+    daemons (it writes a line on stdin) and check: step 2's put failed, the Store reconnected."""
+    state = make_state(rank, 1)
+    store.put(1, state).wait(60)
+    h = store.put(2, make_state(rank, 2))
+    h.staged.result(60)
+    print("READY", flush=True)
+    t0 = time.monotonic()
+    try:
+        h.wait(120)
+        outcome = "protected?!"
+    except storage.DaemonUnavailableError as exc:
+        outcome = f"failed: {exc}"
+    waited = time.monotonic() - t0
+    sys.stdin.readline()  # the daemons are back
+    assert_same(store.get(1), state)
+    return {"outcome": outcome, "waited": waited, "steps": store.steps()}
+
+
+SCENARIOS = {
+    f.__name__: f for f in (round_trip, partial, capacity, bad_input, put, check, interactive)
+}
 
 
 def main() -> None:

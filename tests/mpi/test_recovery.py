@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from storage.placement import Group, StripeLayout
 
-from ._cluster import Cluster
+from ._cluster import REPO, Cluster
 
 HOSTS = ["host0", "host1", "host2", "host3"]
 
@@ -177,4 +179,58 @@ def test_beyond_m_falls_back_to_newest_recoverable(shm_root: Path) -> None:
         assert sorted(err["lost_hosts"]) == ["host1", "host2"], r
         assert r["get_none"] == 1 and r["steps"] == [1]
     finally:
+        c.stop()
+
+
+def test_put_in_flight_fails_and_clients_reconnect(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=2, k=1, m=1)
+    spec = {
+        "scenario": "interactive",
+        "job": c.job,
+        "root": str(shm_root),
+        "rank": 0,
+        "world": 2,
+        "host": "host0",
+        "params": {},
+    }
+    helper = subprocess.Popen(
+        [sys.executable, "-m", "tests.mpi._trainer", json.dumps(spec)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # rank 1 puts step 1 only, so step 1 is protected and step 2 stays in flight
+        other = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.mpi._trainer",
+                json.dumps(dict(spec, scenario="put", rank=1, host="host1", params={"steps": [1]})),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert other.wait(120) == 0, other.communicate()
+        other.communicate()
+        assert helper.stdout is not None and helper.stdin is not None
+        assert helper.stdout.readline().strip() == "READY"
+        c.kill()
+        c = _relaunch(c, k=1, m=1)
+        helper.stdin.write("go\n")
+        helper.stdin.flush()
+        out, err = helper.communicate(timeout=120)
+        assert helper.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["outcome"].startswith("failed"), result
+        assert result["waited"] < 30, result
+        assert result["steps"] == [1]
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.communicate()
         c.stop()
