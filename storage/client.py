@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,7 @@ class Store:
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
         self._waiters: set[control.Connection] = set()  # connections waiting for protection
+        self._unleases: list[str] = []  # buffers whose views are all gone (appended by GC)
         info = self._request({"op": "hello", "job": job, "rank": rank})
         self.daemon_host: str = info["host"]
         self.hosts: list[str] = info["hosts"]
@@ -146,6 +148,9 @@ class Store:
                 reply = conn.request(message)
             else:
                 with self._lock:
+                    if self._unleases and message.get("op") != "unlease":
+                        names, self._unleases[:] = list(self._unleases), []
+                        self._conn.request({"op": "unlease", "buffers": names})
                     try:
                         reply = self._conn.request(message)
                     except (OSError, ProtocolError):
@@ -264,30 +269,27 @@ class Store:
     def get(self, step: int | None = None, *, rank: int | None = None) -> Any:
         """The state dict ``rank`` (default: this rank) put at ``step`` (default: newest protected).
 
-        Works from any host: a shard held elsewhere is fetched by the daemons. Tensors and arrays
-        come back as new CPU copies that nothing else references (valid forever, safe to change),
-        in the same nested structure, bit-exact. Raises :class:`StepNotFoundError` if the step is
-        not protected.
+        Works from any host: a shard held elsewhere is fetched by the daemons, and one whose
+        chunks fail their checksums is repaired first. Returns the same nested structure,
+        bit-exact, with CPU tensors and arrays that are *copy-on-write views* of the shard in
+        shared memory: nothing is copied until you write, a write copies that page privately,
+        and the snapshot itself never changes. While any of them lives, the daemon keeps that
+        memory out of reuse (even past retention); it is given back once they are all gone.
+        Raises :class:`StepNotFoundError` if the step is not protected, and
+        :class:`SnapshotUnrecoverableError` if it was lost beyond repair.
         """
         self._check_open()
         rank = self.rank if rank is None else rank
         reply = self._request({"op": "get", "step": step, "rank": rank})
-        path, size, nbytes = reply["path"], int(reply["size"]), int(reply["nbytes"])
-        if reply.get("temp"):
-            try:
-                with shm.MappedFile(path, size, populate=True) as mf:
-                    return _state.unflatten(
-                        reply["meta"]["skeleton"],
-                        reply["meta"]["leaves"],
-                        mf.array[:nbytes],
-                        self._copy_pool,
-                    )
-            finally:
-                self._request({"op": "release", "path": path})
-        mf = self._map(path, size)
-        return _state.unflatten(
-            reply["meta"]["skeleton"], reply["meta"]["leaves"], mf.array[:nbytes], self._copy_pool
-        )
+        path, nbytes = reply["path"], int(reply["nbytes"])
+        try:
+            mm = shm.map_private(path, max(nbytes, 1))
+        finally:
+            if reply.get("temp"):
+                self._request({"op": "release", "path": path})  # the mapping keeps the bytes
+        if not reply.get("temp"):
+            weakref.finalize(mm, self._unleases.append, reply["buffer"])
+        return _state.unflatten_views(reply["meta"]["skeleton"], reply["meta"]["leaves"], mm)
 
     def latest_step(self) -> int | None:
         """The newest protected step, or None."""

@@ -126,6 +126,9 @@ class Daemon:
         self.fetch_done: dict[str, dict[str, Any]] = {}
         self.repairs: list[dict[str, Any]] = []
         self.repairs_done: set[str] = set()  # ids of repairs run, for readers waiting on them
+        # buffers that trainers hold views of (by connection), and ones to free once they let go
+        self.leases: dict[str, set[int]] = {}
+        self.deferred: set[str] = set()
         self.hosts: list[str] = []  # by slot
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -179,7 +182,7 @@ class Daemon:
         self._prepare_dirs()
         self._write_health()
         self._adopt(hosts_by_rank)
-        self.server = Server(self.dir / "ctl.sock", self._handle)
+        self.server = Server(self.dir / "ctl.sock", self._handle, on_close=self._closed_conn)
         self.server.start()
         self.links.barrier("start-up")
         _log(
@@ -610,7 +613,10 @@ class Daemon:
         loc = self.local.pop(step, None)
         if loc is not None:
             for name in loc.buffers.values():
-                self.pool.release(name)
+                if self.leases.get(name):
+                    self.deferred.add(name)  # a trainer still holds views of it
+                else:
+                    self.pool.release(name)
             self.pool.release(loc.parity)
         rec = self.catalog.steps.get(step)
         if rec is not None and rec.state == "failed":
@@ -839,6 +845,7 @@ class Daemon:
 
     def _handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
         op = msg.get("op")
+        msg["_conn"] = id(conn)
         try:
             handler = getattr(self, f"_op_{op}", None)
             if handler is None:
@@ -1009,10 +1016,13 @@ class Daemon:
                     else self._bad_chunks(rec, rank, buf.file.array)
                 )
                 if not bad:
+                    with self.lock:
+                        self.leases.setdefault(shard.buffer, set()).add(int(msg["_conn"]))
                     return {
                         **out,
                         "path": str(self.pool.path(shard.buffer)),
                         "size": buf.size,
+                        "buffer": shard.buffer,
                         "temp": False,
                     }
                 self.stats["checksum_failures"] += len(bad)
@@ -1076,6 +1086,29 @@ class Daemon:
         except FileNotFoundError:
             pass
         return {}
+
+    def _op_unlease(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The trainer dropped every view of these buffers: they may be reused."""
+        with self.lock:
+            for name in msg.get("buffers", []):
+                self._unlease(str(name), int(msg["_conn"]))
+        return {}
+
+    def _unlease(self, name: str, conn: int) -> None:
+        holders = self.leases.get(name)
+        if holders is not None:
+            holders.discard(conn)
+            if not holders:
+                del self.leases[name]
+                if name in self.deferred:
+                    self.deferred.discard(name)
+                    self.pool.release(name)
+
+    def _closed_conn(self, conn: Connection) -> None:
+        """A trainer went away: its views went with it."""
+        with self.lock:
+            for name in [n for n, h in self.leases.items() if id(conn) in h]:
+                self._unlease(name, id(conn))
 
     def _op_steps(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:

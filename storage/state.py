@@ -285,6 +285,41 @@ def unflatten(
     return _build(skeleton, made)
 
 
+def unflatten_views(skeleton: Any, leaf_meta: list[dict[str, Any]], buffer: Any) -> Any:
+    """Rebuild the state with tensors and arrays that are views of ``buffer`` (no copy).
+
+    ``buffer`` is a writable buffer object (a private mapping of the shard); every view keeps it
+    alive, so it lives exactly as long as the returned tensors do.
+    """
+    made: list[Any] = []
+    for meta in leaf_meta:
+        leaf = Leaf.from_meta(meta)
+        if leaf.kind == "torch":
+            dtype = _torch_dtype(leaf.dtype)
+            if leaf.nbytes == 0:
+                t = torch.empty(leaf.shape, dtype=dtype)
+            else:
+                raw = torch.frombuffer(
+                    buffer, dtype=torch.uint8, count=leaf.nbytes, offset=leaf.offset
+                )
+                t = raw.view(dtype).reshape(leaf.shape)
+            if leaf.requires_grad:
+                t.requires_grad_(True)
+            made.append(t)
+        else:
+            dt = _np_dtype(leaf.dtype)
+            count = int(np.prod(leaf.shape)) if leaf.shape else 1
+            if leaf.nbytes == 0:
+                made.append(np.empty(leaf.shape, dtype=dt))
+            else:
+                made.append(
+                    np.frombuffer(buffer, dtype=dt, count=count, offset=leaf.offset).reshape(
+                        leaf.shape
+                    )
+                )
+    return _build(skeleton, made)
+
+
 def _build(node: Any, made: list[Any]) -> Any:
     (tag, value), *_ = node.items()
     if tag == "n":

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MappedFile", "create", "prefault"]
+__all__ = ["MappedFile", "create", "map_private", "prefault"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -93,3 +93,18 @@ def create(path: str | os.PathLike[str], size: int, *, prefault_pages: bool = Tr
     if prefault_pages:
         prefault(mf.array)
     return mf
+
+
+def map_private(path: str | os.PathLike[str], size: int) -> mmap.mmap:
+    """A copy-on-write mapping of ``path``: reads share the file's pages, writes stay private.
+
+    The mapping outlives the file's name (unlink is safe) and lives while anything exports it.
+    Pages are mapped on first touch (populating a private writable mapping would copy them all).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"{path} holds fewer than {size} bytes")
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

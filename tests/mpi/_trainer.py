@@ -31,16 +31,23 @@ def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[s
     assert_same(store.get(2, rank=other), make_state(other, 2))
     st = store.status(2)
     assert st.protected and st.ranks_staged == list(range(world))
+    held = store.get(1)  # views of step 1's shared memory, kept across its eviction
     with_3 = make_state(rank, 3)
     store.put(3, with_3).wait(60)
     steps = store.steps()
     assert steps == [2, 3], steps  # keep=2: step 1 evicted by the protection of step 3
+    view = store.get(3)
+    view["big"].add_(1)  # copy-on-write: the snapshot does not change
+    view["numpy"]["f"][:] = 0
+    assert_same(store.get(3), with_3)
     try:
         store.get(1)
         raise AssertionError("evicted step 1 still readable")
     except storage.StepNotFoundError:
         pass
-    assert_same(store.get(3), with_3)
+    store.put(4, make_state(rank, 4)).wait(60)  # needs memory: not step 1's, still leased
+    assert_same(held, s1)
+    del held
     try:
         store.put(3, with_3)
         raise AssertionError("duplicate step accepted")

@@ -20,12 +20,12 @@ def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -
         results = cluster.trainers("round_trip", world=8, per_host=2, params={"per_host": 2})
     finally:
         assert cluster.stop() == 0, cluster.log.read_text()
-    # what stayed: steps 2 and 3 on every host, with parity in the parity directory
+    # what stayed: steps 3 and 4 on every host, with parity in the parity directory
     for h in range(4):
         manifests = sorted(
             p.name for p in (shm_root / cluster.job / f"host{h}" / "steps").iterdir()
         )
-        assert manifests == ["2.json", "3.json"], manifests
+        assert manifests == ["3.json", "4.json"], manifests
     sent = [r["info"]["sent_bytes"] for r in results[::2]]
     assert all(s > 0 for s in sent)
 
