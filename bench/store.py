@@ -88,7 +88,11 @@ def worker(spec: dict[str, Any]) -> None:
         elif cmd["op"] == "get":
             t0 = time.perf_counter()
             got = store.get(cmd["step"])
-            out = {"get": time.perf_counter() - t0}
+            t_get = time.perf_counter() - t0
+            touched = 0
+            for t in got.values():  # read one byte per page: every byte is then mapped in
+                touched += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+            out = {"get": t_get, "get_touched": time.perf_counter() - t0}
             if cmd.get("verify"):
                 out["exact"] = all(
                     torch.equal(
@@ -286,7 +290,7 @@ def run(
                 "ecsnap_put_return": max(p["return"] for p in puts),
                 "ecsnap_put_staged": max(p["staged"] for p in puts),
                 "ecsnap_put_protected": max(p["protected"] for p in puts),
-                "ecsnap_get_local": max(g["get"] for g in got),
+                "ecsnap_get_local": max(g["get_touched"] for g in got),
                 "floor_copy_2threads": _floor(state, floor_buf, pool),
             }
             measured["torch_save_shm"], measured["torch_load_shm"] = _torch_save_load(
@@ -308,6 +312,34 @@ def run(
         infos = workers.all({"op": "info"})
         floor_buf.close()
         pool.shutdown()
+        # host loss: the storage job dies, one host's memory is wiped, the job is relaunched and
+        # rebuilds that host from its group at start-up; then every rank reads the last step
+        last = warmup + repeats
+        for i in range(1 if quick else 3):
+            lost = 1 + i % (HOSTS - 1)
+            os.killpg(daemons.pid, 9)
+            daemons.wait(30)
+            shutil.rmtree(root / job / f"host{lost}")
+            t0 = time.perf_counter()
+            daemons = _daemons(job, root, k, m, chunk)
+            t_relaunch = time.perf_counter() - t0
+            got = workers.all({"op": "get", "step": last, "verify": True})
+            if not all(g.get("exact") for g in got):
+                raise AssertionError("ecsnap get after a rebuild returned different bytes")
+            after = workers.all({"op": "info"})
+            rebuild = after[lost]["stats"]["rebuild_seconds"]
+            for name, value in (
+                ("relaunch_with_rebuild", t_relaunch),
+                ("rebuild_one_host", rebuild),
+                ("ecsnap_get_lost_host", got[lost]["get_touched"]),
+                ("ecsnap_rebuild_plus_get_lost_host", rebuild + got[lost]["get_touched"]),
+            ):
+                samples.setdefault(name, []).append(value)
+            print(
+                f"host{lost} lost: relaunch {t_relaunch:.2f}s (rebuild {rebuild:.3f}s), its "
+                f"rank's get {got[lost]['get_touched']:.3f}s",
+                file=sys.stderr,
+            )
     finally:
         if workers is not None:
             workers.close()

@@ -254,10 +254,15 @@ class Daemon:
         if erasures:
             self.health = "rebuilding"
             self._write_health()
+        t1 = time.monotonic()
         for step in sorted(erasures):
             self._repair(self.catalog.steps[step], erasures[step])
-        if erasures:
-            self.stats["rebuild_seconds"] += time.monotonic() - t0
+        if self.trace:
+            _log(
+                self.host,
+                f"adoption: verify {(t1 - t0) * 1e3:.1f}ms, repair "
+                f"{(time.monotonic() - t1) * 1e3:.1f}ms",
+            )
         # files of steps that never became protected (the job died mid-put) are not state
         keep = {
             s.buffer
@@ -445,6 +450,8 @@ class Daemon:
         window = self.config.window
         stripes = sorted(plan.stripes)
         rebuilt = 0
+        t_wait = t_dec = 0.0
+        t_start = time.monotonic()
         for w0 in range(0, len(stripes), window):
             batch = stripes[w0 : w0 + window]
             scratch = self._scratch_for(window * (k + 1))
@@ -483,7 +490,10 @@ class Daemon:
                     if d == pos:
                         target = next(e for e in erased_idx if holder(layout, s, e) == pos)
                         jobs.append((s, b, target, avail))
+            tw = time.monotonic()
             self.links.wait(reqs, f"repair of step {rec.step}", busy=True)
+            t_wait += time.monotonic() - tw
+            tw = time.monotonic()
             for s, b, target, avail in jobs:
                 out = scratch[b * (k + 1) + k]
                 rs.decode_into(avail, {target: out})
@@ -491,6 +501,14 @@ class Daemon:
                 dest[:] = out[: dest.nbytes]
                 rebuilt += 1
                 self.stats["decode_bytes"] += k * cb
+            t_dec += time.monotonic() - tw
+        if self.trace:
+            _log(
+                self.host,
+                f"repair of step {rec.step}: {len(stripes)} stripes, wait "
+                f"{t_wait * 1e3:.1f}ms decode {t_dec * 1e3:.1f}ms total "
+                f"{(time.monotonic() - t_start) * 1e3:.1f}ms, setup {(t_start - t0) * 1e3:.1f}ms",
+            )
         # everyone learns the new file names, and rewrites its manifest
         for r, part in enumerate(self.links.allgather_json(changed, f"repair of {rec.step}")):
             slot = self.slot_of_rank[r]
