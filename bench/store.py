@@ -343,7 +343,8 @@ def run(
     finally:
         if workers is not None:
             workers.close()
-        os.killpg(daemons.pid, 15)
+        if daemons.poll() is None:
+            os.killpg(daemons.pid, 15)
         daemons.wait(30)
         if os.environ.get("ECSNAP_TRACE"):
             print((root / "daemons.log").read_text(), file=sys.stderr)

@@ -39,7 +39,8 @@ class ServeConfig:
     keep: int = 2
     memory_budget: int | None = None
     virtual_hosts: tuple[str, ...] | None = None  # () means host0..host{H-1}
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # virtual host i serves on port + i; 0 picks a free port
+    metrics_addr: str = "0.0.0.0"
     peer_timeout: float = 120.0
     window: int = 64  # stripes per pipelined exchange window
     encode_threads: int = 2
@@ -54,6 +55,8 @@ class ServeConfig:
             raise ConfigError(f"--keep must be >= 1 (the newest protected step), got {self.keep}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ConfigError(f"--memory-budget must be positive, got {self.memory_budget}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.peer_timeout <= 0:
             raise ConfigError("--peer-timeout must be positive")
         for name in self.virtual_hosts or ():

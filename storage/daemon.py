@@ -55,6 +55,7 @@ from storage.errors import (
     StorageError,
     to_wire,
 )
+from storage.metrics import Metrics
 from storage.placement import Group, default_km, make_groups
 from storage.pool import Pool
 from storage.recovery import Erasures, holder, plan_repair
@@ -117,6 +118,7 @@ class Daemon:
         self.rank_of: list[int] = list(range(self.nslots))  # slot -> MPI rank
         self.slot_of_rank: list[int] = list(range(self.nslots))
         self.dir = host_dir(config.root, config.job, self.host)
+        self.pool = Pool(self.dir, config.memory_budget)
         self.links = Links(comm, timeout=config.peer_timeout)
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, _Local] = {}
@@ -142,6 +144,12 @@ class Daemon:
         self.trace = bool(os.environ.get("ECSNAP_TRACE"))
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ecsnap-crc")
         self.health = "starting"
+        self.errors: dict[str, int] = {}  # refused requests by error class
+        self.last_error: str | None = None
+        self.degraded_stripes = 0
+        self.missing_slots: set[int] = set()
+        self.t_alloc: dict[tuple[int, int], float] = {}  # (step, rank) -> when the put began
+        self.metrics = Metrics(self)
         self.stats: dict[str, float] = {
             "encode_bytes": 0,
             "encode_seconds": 0,
@@ -169,7 +177,6 @@ class Daemon:
             os.chmod(d, 0o700)
         for f in (self.dir / "tmp").iterdir():
             f.unlink()
-        self.pool = Pool(self.dir, self.config.memory_budget)
 
     def start(self) -> None:
         hosts_by_rank = self.links.allgather_json(self.host, "host names")
@@ -184,13 +191,22 @@ class Daemon:
         self._adopt(hosts_by_rank)
         self.server = Server(self.dir / "ctl.sock", self._handle, on_close=self._closed_conn)
         self.server.start()
+        if self.config.metrics_port is not None:
+            port = self.config.metrics_port
+            if port and self.config.virtual_hosts is not None:
+                port += self.rank
+            try:
+                self.metrics.serve(port, self.config.metrics_addr, self.dir / "metrics.port")
+            except OSError as exc:
+                raise ConfigError(f"cannot serve metrics on port {port}: {exc}") from exc
         self.links.barrier("start-up")
         _log(
             self.host,
             f"ready: job {self.config.job} slot {self.slot}/{self.nslots} "
             f"group {self.group.index} RS({self.group.k},{self.group.m}) "
             f"chunk {self.chunk_bytes} B, {len(self.catalog.protected())} protected step(s), "
-            f"socket {self.dir / 'ctl.sock'}",
+            f"socket {self.dir / 'ctl.sock'}"
+            + (f", metrics on :{self.metrics.port}" if self.metrics.port else ""),
         )
 
     def _adopt(self, hosts_by_rank: list[str]) -> None:
@@ -253,6 +269,19 @@ class Daemon:
                     erasures.setdefault(int(step), {})[final[r]] = er
         if erasures:
             self.health = "rebuilding"
+            self.missing_slots = {
+                final[r] for r, e in enumerate(everyone) if e["claim"] is None and manifests
+            }
+            self.degraded_stripes = sum(
+                len(
+                    recovery.stripe_erasures(
+                        self.catalog.steps[step].layouts[g.index],
+                        {g.position(sl): er for sl, er in by_slot.items() if sl in g.slots},
+                    )
+                )
+                for step, by_slot in erasures.items()
+                for g in self.groups
+            )
             self._write_health()
         t1 = time.monotonic()
         for step in sorted(erasures):
@@ -285,6 +314,8 @@ class Daemon:
             else:
                 (self.dir / "steps" / f"{step}.json").unlink(missing_ok=True)
         self.health = "healthy"
+        self.degraded_stripes = 0
+        self.missing_slots = set()
         self._write_health()
         if manifests or removed:
             lost = [s for s, r in self.catalog.steps.items() if r.state == "lost"]
@@ -523,6 +554,7 @@ class Daemon:
         self.stats["rebuilt_chunks"] += rebuilt
         self.stats["rebuilds"] += 1
         self.stats["rebuild_seconds"] += time.monotonic() - t0
+        self.metrics.rebuild.observe(time.monotonic() - t0)
         loc = self.local.get(rec.step)
         if loc is not None:
             loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == self.slot}
@@ -614,6 +646,11 @@ class Daemon:
                 if rec.state == "protected" and not loc.manifest:
                     self._write_manifest(rec, loc)
                     self.stats["steps_protected"] += 1
+                    now = time.monotonic()
+                    for rank in loc.buffers:
+                        t_alloc = self.t_alloc.pop((rec.step, rank), None)
+                        if t_alloc is not None:
+                            self.metrics.protect.observe(now - t_alloc)
                     loc.t["protected"] = time.monotonic()
                     if self.trace:
                         t0 = loc.t.get("staged", loc.t.get("ready", 0.0))
@@ -628,6 +665,8 @@ class Daemon:
     def _forget(self, step: int) -> None:
         """Give this host's files of ``step`` back to the pool (caller holds the lock)."""
         self.announced.discard(step)
+        for key in [key for key in self.t_alloc if key[0] == step]:
+            del self.t_alloc[key]
         loc = self.local.pop(step, None)
         if loc is not None:
             for name in loc.buffers.values():
@@ -872,9 +911,18 @@ class Daemon:
             reply.setdefault("ok", True)
             return reply
         except StorageError as exc:
+            self._count_error(exc)
             return to_wire(exc)
         except (KeyError, TypeError, ValueError) as exc:
-            return to_wire(StorageError(f"bad request {op!r}: {exc!r}"))
+            err = StorageError(f"bad request {op!r}: {exc!r}")
+            self._count_error(err)
+            return to_wire(err)
+
+    def _count_error(self, exc: StorageError) -> None:
+        with self.lock:
+            kind = type(exc).__name__
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+            self.last_error = f"{kind}: {exc}"
 
     def _op_hello(self, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("job") != self.config.job:
@@ -926,6 +974,7 @@ class Daemon:
             raise
         with self.lock:
             self.pending[(step, rank)] = buf.name
+            self.t_alloc[(step, rank)] = time.monotonic()
         return {"buffer": buf.name, "path": str(self.pool.path(buf.name)), "size": buf.size}
 
     def _op_staged(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -942,6 +991,9 @@ class Daemon:
                 "meta": msg["meta"],
             }
             self.announced.add(step)
+            t_alloc = self.t_alloc.get((step, rank))
+            if t_alloc is not None:
+                self.metrics.stage.observe(time.monotonic() - t_alloc)
             self.events.append(
                 {"e": "staged", "step": step, "world_size": msg["world_size"], "shard": shard}
             )
@@ -1167,6 +1219,10 @@ class Daemon:
 
     def _op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Counters for benchmarks and status: bytes held and moved, health, repairs."""
+        return self.metrics_snapshot()
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Everything status and metrics report, read under the lock (cheap: no I/O)."""
         with self.lock:
             data = parity = 0
             for r in self.catalog.steps.values():
@@ -1176,25 +1232,43 @@ class Daemon:
                 layout, pos = self._my_layout(r)
                 parity += len(layout.parity_stripes[pos]) * self.chunk_bytes
             return {
+                "job": self.config.job,
                 "host": self.host,
                 "slot": self.slot,
+                "hosts": self.hosts,
+                "k": self.group.k,
+                "m": self.group.m,
                 "health": self.health,
+                "latest": self.catalog.latest(),
                 "data_bytes": data,
                 "parity_bytes": parity,
                 "pool_bytes": self.pool.used,
+                "memory_budget": self.config.memory_budget,
                 "sent_bytes": self.links.counters.sent,
                 "received_bytes": self.links.counters.received,
                 "stats": dict(self.stats),
                 "protected": self.catalog.protected(),
+                "in_flight": sorted(
+                    s
+                    for s, r in self.catalog.steps.items()
+                    if r.state in ("staging", "ready", "encoding")
+                ),
                 "lost": {
                     str(s): r.lost for s, r in self.catalog.steps.items() if r.state == "lost"
                 },
+                "errors": dict(self.errors),
+                "last_error": self.last_error,
+                "degraded_stripes": self.degraded_stripes,
+                "hosts_up": self.nslots,
+                "hosts_missing": len(self.missing_slots),
+                "metrics_port": self.metrics.port,
             }
 
     def close(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
             server.close()
+        self.metrics.close()
         for rs in self._codecs.values():
             rs.close()
         self._crc_pool.shutdown(wait=True)
@@ -1229,7 +1303,13 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     p.add_argument("--chunk-bytes", type=_parse_size, default=1 << 20)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--memory-budget", type=_parse_size, default=None)
-    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics here (virtual host i: PORT+i; 0: a free port)",
+    )
+    p.add_argument("--metrics-addr", default="0.0.0.0")
     p.add_argument("--peer-timeout", type=float, default=120.0)
     a = p.parse_args(list(argv) if argv is not None else None)
     vh: tuple[str, ...] | None = None
@@ -1245,6 +1325,7 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         memory_budget=a.memory_budget,
         virtual_hosts=vh,
         metrics_port=a.metrics_port,
+        metrics_addr=a.metrics_addr,
         peer_timeout=a.peer_timeout,
     )
 
