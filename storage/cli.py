@@ -24,7 +24,7 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ecsnap {serve,status,bench} [options]  (ecsnap COMMAND --help for more)"
+    usage = "usage: ecsnap {serve,status,demo,bench} [options]  (ecsnap COMMAND --help for more)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from storage.daemon import main as serve_main
 
         return int(serve_main(rest))
+    if command == "demo":
+        from bench.demo import main as demo_main
+
+        return int(demo_main(rest))
     if command == "status":
         from storage.status import main as status_main
 

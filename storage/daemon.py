@@ -123,6 +123,7 @@ class Daemon:
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, _Local] = {}
         self.pending: dict[tuple[int, int], str] = {}  # (step, rank) -> buffer being staged
+        self.pending_conn: dict[tuple[int, int], int] = {}  # ... and the connection staging it
         self.events: list[dict[str, Any]] = []
         self.fetches: list[dict[str, Any]] = []
         self.fetch_done: dict[str, dict[str, Any]] = {}
@@ -607,7 +608,14 @@ class Daemon:
                         if kind == "repair":
                             self.repairs.append(event)
                             continue
+                        old = None
+                        if kind == "staged":
+                            rec = self.catalog.steps.get(int(event["step"]))
+                            if rec is not None and rec.state == "staging":
+                                old = rec.shards.get(int(event["shard"]["rank"]))
                         self.catalog.apply(slot, event)
+                        if old is not None and old.slot == self.slot:
+                            self._drop_shard(int(event["step"]), old.rank, old.buffer)
                         if kind == "staged" and slot == self.slot:
                             step, shard = int(event["step"]), event["shard"]
                             loc = self.local.setdefault(step, _Local())
@@ -661,6 +669,13 @@ class Daemon:
             for step in [s for s in self.local if s not in self.catalog.steps]:
                 self._forget(step)  # deleted, or evicted by retention
             self.cond.notify_all()
+
+    def _drop_shard(self, step: int, rank: int, buffer: str) -> None:
+        """A rank put this unfinished step again: its earlier shard's buffer goes back."""
+        loc = self.local.get(step)
+        if loc is not None and loc.buffers.get(rank) == buffer:
+            del loc.buffers[rank]
+        self.pool.release(buffer)
 
     def _forget(self, step: int) -> None:
         """Give this host's files of ``step`` back to the pool (caller holds the lock)."""
@@ -953,10 +968,12 @@ class Daemon:
             raise StorageError(f"rank {rank} is not below world_size {world}")
         with self.lock:
             rec = self.catalog.steps.get(step)
-            if rec is not None and (rank in rec.shards or rec.state != "staging"):
+            # A rank may put an unfinished step again (a restarted trainer redoing it): its new
+            # shard replaces the old one. Once every rank has staged it, the step is written.
+            if rec is not None and rec.state != "staging":
                 raise StepExistsError(
-                    f"step {step} was already put by rank {rank} (steps are write-once); "
-                    "delete it first or put a new step"
+                    f"step {step} was already put by every rank (it is {rec.state}; steps are "
+                    "write-once); delete it first or put a new step"
                 )
             if (step, rank) in self.pending:
                 raise StepExistsError(f"rank {rank} is already putting step {step}")
@@ -971,9 +988,11 @@ class Daemon:
         except CapacityError:
             with self.lock:
                 self.pending.pop((step, rank), None)
+                self.pending_conn.pop((step, rank), None)
             raise
         with self.lock:
             self.pending[(step, rank)] = buf.name
+            self.pending_conn[(step, rank)] = int(msg["_conn"])
             self.t_alloc[(step, rank)] = time.monotonic()
         return {"buffer": buf.name, "path": str(self.pool.path(buf.name)), "size": buf.size}
 
@@ -981,6 +1000,7 @@ class Daemon:
         step, rank = self._int(msg, "step"), self._int(msg, "rank")
         with self.lock:
             name = self.pending.pop((step, rank), None)
+            self.pending_conn.pop((step, rank), None)
             if not name or name != msg.get("buffer"):
                 raise StorageError(f"step {step} rank {rank} was not allocated on this host")
             shard = {
@@ -1004,6 +1024,7 @@ class Daemon:
         step, rank = self._int(msg, "step"), self._int(msg, "rank")
         with self.lock:
             name = self.pending.pop((step, rank), None)
+            self.pending_conn.pop((step, rank), None)
         self.pool.release(name or None)
         return {}
 
@@ -1175,10 +1196,16 @@ class Daemon:
                     self.pool.release(name)
 
     def _closed_conn(self, conn: Connection) -> None:
-        """A trainer went away: its views went with it."""
+        """A trainer went away: its views went with it, and so did the puts it was staging."""
         with self.lock:
             for name in [n for n, h in self.leases.items() if id(conn) in h]:
                 self._unlease(name, id(conn))
+            for key in [k for k, c in self.pending_conn.items() if c == id(conn)]:
+                del self.pending_conn[key]
+                name = self.pending.pop(key, "")
+                self.t_alloc.pop(key, None)
+                if name:
+                    self.pool.release(name)
 
     def _op_steps(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
