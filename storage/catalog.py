@@ -123,7 +123,7 @@ class Catalog:
     def _staged(self, event: dict[str, Any]) -> None:
         step, world = int(event["step"]), int(event["world_size"])
         rec = self.steps.get(step)
-        if rec is None:
+        if rec is None or rec.state == "lost":  # a lost step's number may be put afresh
             rec = self.steps[step] = StepRec(step, world)
         if rec.state != "staging":
             return

@@ -276,7 +276,8 @@ class Store:
         and the snapshot itself never changes. While any of them lives, the daemon keeps that
         memory out of reuse (even past retention); it is given back once they are all gone.
         Raises :class:`StepNotFoundError` if the step is not protected, and
-        :class:`SnapshotUnrecoverableError` if it was lost beyond repair.
+        :class:`SnapshotUnrecoverableError` if it was lost beyond repair (with ``step=None``:
+        only when no step at all can be read; otherwise the newest readable one is returned).
         """
         self._check_open()
         rank = self.rank if rank is None else rank

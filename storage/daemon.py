@@ -613,6 +613,8 @@ class Daemon:
                             rec = self.catalog.steps.get(int(event["step"]))
                             if rec is not None and rec.state == "staging":
                                 old = rec.shards.get(int(event["shard"]["rank"]))
+                            elif rec is not None and rec.state == "lost":
+                                self._forget(rec.step)  # put afresh: the lost one's files go
                         self.catalog.apply(slot, event)
                         if old is not None and old.slot == self.slot:
                             self._drop_shard(int(event["step"]), old.rank, old.buffer)
@@ -970,7 +972,7 @@ class Daemon:
             rec = self.catalog.steps.get(step)
             # A rank may put an unfinished step again (a restarted trainer redoing it): its new
             # shard replaces the old one. Once every rank has staged it, the step is written.
-            if rec is not None and rec.state != "staging":
+            if rec is not None and rec.state not in ("staging", "lost"):
                 raise StepExistsError(
                     f"step {step} was already put by every rank (it is {rec.state}; steps are "
                     "write-once); delete it first or put a new step"
@@ -1054,9 +1056,13 @@ class Daemon:
         with self.lock:
             if step is None:
                 latest = self.catalog.latest()
-                if latest is None:
+                lost = [s for s, r in self.catalog.steps.items() if r.state == "lost"]
+                if latest is None and lost:
+                    step = max(lost)  # nothing can be read: say what was lost
+                elif latest is None:
                     raise StepNotFoundError("no protected step yet", None)
-                step = latest
+                else:
+                    step = latest
             if type(step) is not int or step < 0:
                 raise StorageError(f"step must be an int >= 0 or None, got {step!r}")
             rec = self.catalog.steps.get(step)
