@@ -105,39 +105,22 @@ class Demo:
     # -- the storage job ------------------------------------------------------------------------
 
     def start_daemons(self) -> None:
-        log = (self.workdir / "daemons.log").open("a")
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        args = [
-            str(mpiexec if mpiexec.exists() else "mpiexec"),
-            "-n",
-            str(self.a.hosts),
-            sys.executable,
-            "-m",
-            "storage.cli",
-            "serve",
-            "--job",
+        from storage import launch
+
+        extra = ["--metrics-port", "0", "--metrics-addr", "127.0.0.1"]
+        self.daemons = launch.start(
+            self.a.hosts,
             self.job,
-            "--root",
-            str(self.root),
-            "--virtual-hosts",
-            ",".join(self.hosts),
-            "--metrics-port",
-            "0",
-            "--metrics-addr",
-            "127.0.0.1",
-        ]
-        if self.a.k is not None:
-            args += ["--k", str(self.a.k), "--m", str(self.a.m)]
-        mark = (self.workdir / "daemons.log").stat().st_size
-        self.daemons = self.procs.start(args, stdout=log)
-        deadline = time.monotonic() + 300
-        while True:
-            text = (self.workdir / "daemons.log").read_text()[mark:]
-            if text.count("ready:") >= self.a.hosts:
-                break
-            if self.daemons.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the daemons did not start:\n" + text)
-            time.sleep(0.05)
+            self.root,
+            self.workdir / "daemons.log",
+            virtual_hosts=self.hosts,
+            k=self.a.k,
+            m=self.a.m,
+            extra=extra,
+            cwd=REPO,
+            timeout=300,
+        )
+        self.procs.all.append(self.daemons)
         self.endpoints = [
             f"http://127.0.0.1:{(self.root / self.job / h / 'metrics.port').read_text().strip()}"
             f"/metrics ({h})"

@@ -162,40 +162,12 @@ class Workers:
                 p.kill()
 
 
-def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[bytes]:
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    log = (root / "daemons.log").open("w")
-    proc = subprocess.Popen(
-        [
-            str(mpiexec if mpiexec.exists() else "mpiexec"),
-            "-n",
-            str(HOSTS),
-            sys.executable,
-            "-m",
-            "storage.cli",
-            "serve",
-            "--job",
-            job,
-            "--root",
-            str(root),
-            "--virtual-hosts",
-            "--k",
-            str(k),
-            "--m",
-            str(m),
-            "--chunk-bytes",
-            str(chunk),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[str]:
+    from storage import launch
+
+    return launch.start(
+        HOSTS, job, root, root / "daemons.log", k=k, m=m, extra=["--chunk-bytes", str(chunk)]
     )
-    deadline = time.monotonic() + 60
-    while (root / "daemons.log").read_text().count("ready:") < HOSTS:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("daemons did not start:\n" + (root / "daemons.log").read_text())
-        time.sleep(0.05)
-    return proc
 
 
 # -- the contenders in this process ----------------------------------------------------------------

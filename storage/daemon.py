@@ -444,9 +444,7 @@ class Daemon:
             if not plans[g.index].recoverable:
                 lost_slots |= {s for s, e in erased.items() if s in g.slots and e}
         if lost_slots:
-            hosts, ranks = recovery.lost_parts(
-                rec, self.catalog, {s: erased[s] for s in lost_slots}, self.hosts
-            )
+            hosts, ranks = recovery.lost_parts(rec, {s: erased[s] for s in lost_slots}, self.hosts)
             rec.state = "lost"
             rec.lost = {"lost_hosts": hosts, "ranks": ranks}
             self.stats["lost_steps"] += 1

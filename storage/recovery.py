@@ -187,7 +187,7 @@ def plan_repair(layout: StripeLayout, erased: dict[int, Erasures]) -> RepairPlan
 
 
 def lost_parts(
-    rec: StepRec, catalog: Catalog, erased_by_slot: dict[int, Erasures], hosts: list[str]
+    rec: StepRec, erased_by_slot: dict[int, Erasures], hosts: list[str]
 ) -> tuple[list[str], list[int]]:
     """The hosts with erasures and the ranks whose shards they held, for an unrecoverable step."""
     slots = sorted(slot for slot, e in erased_by_slot.items() if e)

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,6 @@ class Counters:
 
     sent: int = 0
     received: int = 0
-    by_peer_sent: dict[int, int] = field(default_factory=dict)
 
 
 class Links:
@@ -98,26 +97,21 @@ class Links:
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
-        view = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
-        view = view.reshape(-1).view(np.uint8)
-        reqs = [
+        view = _bytes(buf)
+        self.counters.sent += view.nbytes
+        return [
             self.comm.Isend([view[o : o + n], n, _byte()], dest=dest, tag=tag)
             for o, n in pieces(view.nbytes, self.piece_bytes)
         ]
-        self.counters.sent += view.nbytes
-        self.counters.by_peer_sent[dest] = self.counters.by_peer_sent.get(dest, 0) + view.nbytes
-        return reqs
 
     def irecv(self, buf: Any, source: int, tag: int) -> list[Any]:
         """Post the receives into ``buf`` (writable, contiguous) from ``source``, cut as sent."""
-        view = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
-        view = view.reshape(-1).view(np.uint8)
-        reqs = [
+        view = _bytes(buf)
+        self.counters.received += view.nbytes
+        return [
             self.comm.Irecv([view[o : o + n], n, _byte()], source=source, tag=tag)
             for o, n in pieces(view.nbytes, self.piece_bytes)
         ]
-        self.counters.received += view.nbytes
-        return reqs
 
     def allgather_json(
         self, obj: Any, what: str = "allgather", timeout: float | None = None, busy: bool = False
@@ -143,6 +137,12 @@ class Links:
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         self.wait([self.comm.Ibarrier()], what, timeout)
+
+
+def _bytes(buf: Any) -> Any:
+    """A flat uint8 view of a contiguous buffer, no copy."""
+    view = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    return view.reshape(-1).view(np.uint8)
 
 
 def _byte() -> Any:

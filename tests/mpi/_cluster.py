@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,14 +13,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from storage import launch
+
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def mpiexec() -> str:
-    """The venv's mpiexec (the mpich wheel's), else the one on PATH."""
-    cand = BIN / "mpiexec"
-    return str(cand) if cand.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 class Cluster:
@@ -41,42 +35,19 @@ class Cluster:
         self.job = job or f"t{uuid.uuid4().hex[:8]}"
         self.hosts = hosts
         self.host_names = host_names or [f"host{i}" for i in range(hosts)]
-        args = [
-            mpiexec(),
-            "-n",
-            str(hosts),
-            sys.executable,
-            "-m",
-            "storage.cli",
-            "serve",
-            "--job",
-            self.job,
-            "--root",
-            str(root),
-            "--peer-timeout",
-            "60",
-        ]
-        args += ["--virtual-hosts"] + ([",".join(host_names)] if host_names else [])
-        if k is not None and m is not None:
-            args += ["--k", str(k), "--m", str(m)]
-        args += extra or []
         self.log = root / f"{self.job}.log"
-        self._logf = self.log.open("w")
-        self.proc = subprocess.Popen(
-            args, cwd=REPO, stdout=self._logf, stderr=subprocess.STDOUT, start_new_session=True
+        self.proc = launch.start(
+            hosts,
+            self.job,
+            root,
+            self.log,
+            virtual_hosts=host_names,
+            k=k,
+            m=m,
+            extra=["--peer-timeout", "60", *(extra or [])],
+            cwd=REPO,
+            timeout=60,
         )
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log.read_text()
-            if text.count("ready:") >= self.hosts:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemons exited with {self.proc.returncode}:\n{text}")
-            time.sleep(0.05)
-        raise RuntimeError(f"daemons not ready in {timeout}s:\n{self.log.read_text()}")
 
     def trainers(
         self,
@@ -137,14 +108,12 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self._logf.close()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self._logf.close()
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:

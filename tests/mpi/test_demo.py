@@ -15,8 +15,22 @@ from ._cluster import REPO
 
 @pytest.mark.parametrize("kill", ["host", "2hosts"])
 def test_demo_resumes_bit_identically(tmp_path: Path, kill: str) -> None:
-    args = [sys.executable, "-m", "storage.cli", "demo", "--steps", "8", "--fail-at", "4",
-            "--kill", kill, "--model-size", "tiny", "--workdir", str(tmp_path)]
+    args = [
+        sys.executable,
+        "-m",
+        "storage.cli",
+        "demo",
+        "--steps",
+        "8",
+        "--fail-at",
+        "4",
+        "--kill",
+        kill,
+        "--model-size",
+        "tiny",
+        "--workdir",
+        str(tmp_path),
+    ]
     if kill == "2hosts":
         args += ["--k", "3", "--m", "1"]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import storage
+from storage.launch import mpiexec
 
-from ._cluster import REPO, Cluster, mpiexec
+from ._cluster import REPO, Cluster
 
 
 @pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2)])
