@@ -75,6 +75,8 @@ class SaveHandle:
         self.staged: Future[int] = Future()
         self.protected: Future[int] = Future()
         self.t_put = time.perf_counter()
+        self.copy_done: list[Any] = []  # CUDA events of the device-to-host copies, if any
+        self.cpu_leaves = True
         self.t_staged: float | None = None
         self.t_protected: float | None = None
 
@@ -109,6 +111,9 @@ class Store:
         self._closed = False
         self._waiters: set[control.Connection] = set()  # connections waiting for protection
         self._unleases: list[str] = []  # buffers whose views are all gone (appended by GC)
+        self._last_put: SaveHandle | None = None
+        self._copier: Any = None  # storage.gpu.DeviceCopier, made on the first CUDA put
+        self._registry: Any = None
         info = self._request({"op": "hello", "job": job, "rank": rank})
         self.daemon_host: str = info["host"]
         self.hosts: list[str] = info["hosts"]
@@ -179,6 +184,8 @@ class Store:
         mf = self._maps.get(path)
         if mf is None or mf.size != size:
             if mf is not None:
+                if self._registry is not None:
+                    self._registry.forget(mf.array)
                 mf.close()
             mf = shm.MappedFile(path, size, populate=True)
             self._maps[path] = mf
@@ -213,8 +220,48 @@ class Store:
             }
         )
         meta = {"skeleton": skeleton, "leaves": [leaf.meta() for leaf in leaves]}
+        if any(leaf.device.startswith("cuda") for leaf in leaves):
+            # device-to-host copies are enqueued here, on the side stream, without a host sync
+            mf = self._map(alloc["path"], int(alloc["size"]))
+            handle.copy_done = self._device_copier().enqueue(leaves, mf.array)
+        handle.cpu_leaves = any(not leaf.device.startswith("cuda") for leaf in leaves)
+        self._last_put = handle
         self._bg.submit(self._stage, handle, leaves, nbytes, alloc, meta)
         return handle
+
+    def _device_copier(self) -> Any:
+        if self._copier is None:
+            from storage import gpu
+
+            self._registry = gpu.HostRegistry(gpu.CudaRegistrar())
+            self._copier = gpu.DeviceCopier(self._registry)
+        return self._copier
+
+    def guard(self, optimizer: Any) -> Any:
+        """Make ``optimizer.step()`` wait for the last ``put``'s copies; returns the hook handle.
+
+        The pattern for training loops: ``store.guard(opt)`` once, then ``put`` every step right
+        after ``opt.step()``; the next step's forward and backward overlap the snapshot's copy.
+        Parameters on the GPU are protected with a stream wait (the current stream waits for the
+        copy stream's event: no host synchronisation); parameters on the CPU by waiting for
+        ``handle.staged``, since host threads read them.
+        """
+
+        def wait_for_snapshot(opt: Any, args: Any, kwargs: Any) -> None:
+            handle = self._last_put
+            if handle is None:
+                return
+            if handle.copy_done:
+                import torch
+
+                for event in handle.copy_done:
+                    torch.cuda.current_stream().wait_event(event)
+            if handle.cpu_leaves and any(
+                p.device.type == "cpu" for g in opt.param_groups for p in g["params"]
+            ):
+                handle.staged.result()
+
+        return optimizer.register_step_pre_hook(wait_for_snapshot)
 
     def _stage(
         self,
@@ -226,7 +273,11 @@ class Store:
     ) -> None:
         try:
             mf = self._map(alloc["path"], int(alloc["size"]))
-            _state.stage(leaves, mf.array[:nbytes], self._copy_pool)
+            _state.stage(
+                leaves, mf.array[:nbytes], self._copy_pool, skip_cuda=bool(handle.copy_done)
+            )
+            for event in handle.copy_done:
+                event.synchronize()  # this background thread waits, never the training stream
             self._request(
                 {
                     "op": "staged",
@@ -266,7 +317,7 @@ class Store:
         handle.t_protected = time.perf_counter()
         handle.protected.set_result(handle.step)
 
-    def get(self, step: int | None = None, *, rank: int | None = None) -> Any:
+    def get(self, step: int | None = None, *, rank: int | None = None, device: Any = None) -> Any:
         """The state dict ``rank`` (default: this rank) put at ``step`` (default: newest protected).
 
         Works from any host: a shard held elsewhere is fetched by the daemons, and one whose
@@ -275,6 +326,11 @@ class Store:
         shared memory: nothing is copied until you write, a write copies that page privately,
         and the snapshot itself never changes. While any of them lives, the daemon keeps that
         memory out of reuse (even past retention); it is given back once they are all gone.
+
+        With ``device`` (say ``"cuda"``), tensors come back on that device instead: copied from
+        the shard's pinned shared memory with ``non_blocking=True`` on the current stream, so
+        later work on that stream sees them; the memory is held until the copies are done.
+
         Raises :class:`StepNotFoundError` if the step is not protected, and
         :class:`SnapshotUnrecoverableError` if it was lost beyond repair (with ``step=None``:
         only when no step at all can be read; otherwise the newest readable one is returned).
@@ -283,6 +339,9 @@ class Store:
         rank = self.rank if rank is None else rank
         reply = self._request({"op": "get", "step": step, "rank": rank})
         path, nbytes = reply["path"], int(reply["nbytes"])
+        skeleton, leaves = reply["meta"]["skeleton"], reply["meta"]["leaves"]
+        if device is not None and str(device).startswith("cuda"):
+            return self._get_to_device(reply, device)
         try:
             mm = shm.map_private(path, max(nbytes, 1))
         finally:
@@ -290,7 +349,30 @@ class Store:
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
         if not reply.get("temp"):
             weakref.finalize(mm, self._unleases.append, reply["buffer"])
-        return _state.unflatten_views(reply["meta"]["skeleton"], reply["meta"]["leaves"], mm)
+        return _state.unflatten_views(skeleton, leaves, mm)
+
+    def _get_to_device(self, reply: dict[str, Any], device: Any) -> Any:
+        import torch
+
+        path, size = reply["path"], int(reply["size"])
+        mf = self._map(path, size) if not reply.get("temp") else shm.MappedFile(path, size)
+        self._device_copier().registry.ensure(mf.array)
+        host = _state.unflatten_views(reply["meta"]["skeleton"], reply["meta"]["leaves"], mf.array)
+        out = _to_device(host, torch.device(device))
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(torch.device(device)))
+
+        def release() -> None:
+            done.synchronize()
+            if reply.get("temp"):
+                self._registry.forget(mf.array)
+                mf.close()
+                self._request({"op": "release", "path": path})
+            else:
+                self._unleases.append(reply["buffer"])
+
+        self._bg.submit(release)
+        return out
 
     def latest_step(self) -> int | None:
         """The newest protected step, or None."""
@@ -341,6 +423,8 @@ class Store:
         self._bg.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
         self._conn.close()
+        if self._registry is not None:
+            self._registry.close()
         for mf in self._maps.values():
             mf.close()
         self._maps.clear()
@@ -354,6 +438,21 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _to_device(obj: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.to(device, non_blocking=True)
+        return t.requires_grad_(True) if obj.requires_grad else t
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(_to_device(v, device) for v in obj)
+    return obj
 
 
 def connect(

@@ -242,10 +242,21 @@ def copy_pieces(
         f.result()
 
 
-def stage(leaves: list[Leaf], dest: np.ndarray[Any, Any], pool: ThreadPoolExecutor | None) -> None:
-    """Copy every leaf into ``dest`` (the shard's shared-memory view) at its offset."""
+def stage(
+    leaves: list[Leaf],
+    dest: np.ndarray[Any, Any],
+    pool: ThreadPoolExecutor | None,
+    *,
+    skip_cuda: bool = False,
+) -> None:
+    """Copy every leaf into ``dest`` (the shard's shared-memory view) at its offset.
+
+    With ``skip_cuda``, CUDA leaves are left to :class:`storage.gpu.DeviceCopier`.
+    """
     jobs = []
     for leaf in leaves:
+        if skip_cuda and leaf.device.startswith("cuda"):
+            continue
         if leaf.nbytes:
             jobs.append((dest[leaf.offset : leaf.offset + leaf.nbytes], _source_bytes(leaf)))
     copy_pieces(jobs, pool)

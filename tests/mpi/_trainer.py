@@ -189,8 +189,43 @@ def interactive(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[
     return {"outcome": outcome, "waited": waited, "steps": store.steps()}
 
 
+def guarded(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+    """A training loop that puts right after optimizer.step() and relies on store.guard: every
+    snapshot must hold the parameters as they were at its put, never a later step's."""
+    import torch
+
+    device = p.get("device", "cpu")
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(2048, 2048).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    hook = store.guard(opt)
+    expected = {}
+    handles = []
+    for step in range(1, 5):
+        loss = model(torch.randn(16, 2048, device=device)).square().mean()
+        loss.backward()
+        opt.step()  # waits for the previous put's copy
+        opt.zero_grad()
+        expected[step] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        handles.append(store.put(step, model.state_dict()))
+    for h in handles:
+        h.wait(60)
+    hook.remove()
+    kept = store.steps()
+    for step in kept:
+        got = store.get(step)
+        for k, v in expected[step].items():
+            assert torch.equal(got[k], v), (step, k)
+        if device != "cpu":
+            on_device = store.get(step, device=device)
+            assert on_device["weight"].device.type == "cuda"
+            assert torch.equal(on_device["weight"].cpu(), expected[step]["weight"])
+    return {"checked": kept}
+
+
 SCENARIOS = {
-    f.__name__: f for f in (round_trip, partial, capacity, bad_input, put, check, interactive)
+    f.__name__: f
+    for f in (round_trip, partial, capacity, bad_input, put, check, interactive, guarded)
 }
 
 

@@ -100,3 +100,15 @@ def test_no_daemon_is_daemon_unavailable(shm_root: Path) -> None:
         storage.connect("nobody", rank=0, world_size=1, host="h", root=shm_root, timeout=0.3)
     assert isinstance(info.value, ConnectionError)
     assert "mpiexec" in str(info.value)
+
+
+def test_guarded_training_loop_snapshots_the_right_parameters(shm_root: Path) -> None:
+    import torch
+
+    cluster = Cluster(shm_root, hosts=2, k=1, m=1)
+    try:
+        params = {"device": "cuda"} if torch.cuda.is_available() else {}
+        results = cluster.trainers("guarded", world=2, per_host=1, params=params)
+    finally:
+        assert cluster.stop() == 0
+    assert all(r["checked"] == [3, 4] for r in results)
