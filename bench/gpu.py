@@ -32,10 +32,13 @@ from bench._common import Recorder, summarize, table
 
 
 def _model(d: int, layers: int) -> torch.nn.Module:
-    block = lambda: torch.nn.TransformerEncoderLayer(  # noqa: E731
-        d, d // 128, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-    )
-    return torch.nn.Sequential(*[block() for _ in range(layers)])
+    blocks = [
+        torch.nn.TransformerEncoderLayer(
+            d, d // 128, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        for _ in range(layers)
+    ]
+    return torch.nn.Sequential(*blocks)
 
 
 def _sync_time(fn: Any) -> float:
