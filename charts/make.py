@@ -89,7 +89,37 @@ def codec_chart() -> Path | None:
     return out
 
 
-CHARTS = {"codec": codec_chart}
+def scale_chart() -> Path | None:
+    records = [r for r in newest_run("scale") if r.get("kind") == "model"]
+    if not records:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    schemes = sorted({r["scheme"] for r in records})
+    for name in schemes:
+        rows = sorted((r for r in records if r["scheme"] == name), key=lambda r: r["hosts"])
+        hosts = [r["hosts"] for r in rows]
+        axes[0].plot(hosts, [max(r["p_loss_window"], 1e-12) for r in rows], "o-", label=name)
+        axes[1].plot(hosts, [max(r["p_loss_burst_random"], 1e-4) for r in rows], "o-", label=name)
+        axes[2].bar(name, rows[0]["memory_per_host"], label=name)
+    p = records[0]["params"]
+    axes[0].set_title(f"P(state lost), independent failures, {p['window_min']:g} min window")
+    axes[1].set_title(f"P(state lost), {p['burst']} hosts at random (floor 1e-4)")
+    axes[2].set_title("snapshot memory per host (x blob)")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hosts")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("ecsnap bench scale: a model of RS against replication (not a measurement)")
+    fig.tight_layout()
+    out = HERE / "scale.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+CHARTS = {"codec": codec_chart, "scale": scale_chart}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,18 +7,24 @@ import sys
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ecsnap bench {codec,store} [options]")
+        print("usage: ecsnap bench {codec,store,scale} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "codec":
         from bench.codec import main as codec_main
 
         return int(codec_main(rest))
+    if name == "scale":
+        from bench.scale import main as scale_main
+
+        return int(scale_main(rest))
     if name == "store":
         from bench.store import main as store_main
 
         return int(store_main(rest))
-    print(f"ecsnap bench: unknown benchmark {name!r}; choose codec or store", file=sys.stderr)
+    print(
+        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store or scale", file=sys.stderr
+    )
     return 2
 
 

@@ -1,0 +1,251 @@
+"""``ecsnap bench scale``: what placement buys at 64 to 16384 hosts, where we cannot run it.
+
+A model, not a measurement. Hosts are grouped as ecsnap groups them (k+m consecutive slots);
+RS(k, m) is set against 2- and 3-way replication (each host's snapshot copied to the next
+host(s), the scheme of Gemini and NVIDIA's local checkpointing). For each scheme and size:
+
+- memory per host and bytes sent per host per snapshot, in units of the host's blob;
+- the probability that in-memory state is lost, for independent failures during the window in
+  which the job is down and rebuilding (per-host failure rate from OPT-175B's logbook: about
+  1.5 % of instances per day), and for a burst that takes out B hosts at once: a rack whose
+  hosts hold B consecutive slots, the same rack when slots were dealt round-robin across racks
+  (rank order of ``mpirun``), or B hosts at random (Monte Carlo, fixed seed);
+- expected training time lost per day at a snapshot interval: each failure costs half an
+  interval when memory survives, and half a persistent-checkpoint interval when it does not.
+
+The memory and network columns are checked against the bytes the daemons counted in the last
+``ecsnap bench store`` run (``bench/results/store.jsonl``), and the match is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from typing import Any
+
+from bench._common import RESULTS, Recorder, table
+
+__all__ = ["main", "p_loss_burst", "p_loss_independent", "run"]
+
+SIZES = [64, 256, 1024, 4096, 16384]
+DAILY_FAILURE = 0.015  # fraction of hosts failing per day (OPT-175B logbook, order of magnitude)
+
+
+def schemes(k: int, m: int) -> list[dict[str, Any]]:
+    return [
+        {"name": f"RS({k},{m})", "kind": "ec", "k": k, "m": m},
+        {"name": "2-way replication", "kind": "rep", "r": 2},
+        {"name": "3-way replication", "kind": "rep", "r": 3},
+    ]
+
+
+def memory_per_host(s: dict[str, Any]) -> float:
+    """Snapshot memory per host in units of its blob (its own data included)."""
+    return 1 + s["m"] / s["k"] if s["kind"] == "ec" else float(s["r"])
+
+
+def sent_per_host(s: dict[str, Any]) -> float:
+    """Bytes sent per host per snapshot, in units of its blob (the placement's exchange)."""
+    return 1 + (s["m"] - 1) / s["k"] if s["kind"] == "ec" else float(s["r"] - 1)
+
+
+def p_loss_independent(s: dict[str, Any], hosts: int, q: float) -> float:
+    """P(some snapshot is lost) when each host fails independently with probability q."""
+    if s["kind"] == "ec":
+        n = s["k"] + s["m"]
+        groups, rest = divmod(hosts, n)
+
+        def lose(size: int) -> float:
+            keep = sum(
+                math.comb(size, i) * q**i * (1 - q) ** (size - i)
+                for i in range(min(s["m"], size) + 1)
+            )
+            return max(0.0, 1 - keep)
+
+        survive = (1 - lose(n)) ** groups * ((1 - lose(rest)) if rest > s["m"] else 1.0)
+        return float(1 - survive)
+    # ring replication: a host's data dies with the host and its r-1 successors
+    return float(1 - (1 - q ** s["r"]) ** hosts)
+
+
+def lost_by_burst(s: dict[str, Any], failed: set[int], hosts: int) -> bool:
+    if s["kind"] == "ec":
+        n = s["k"] + s["m"]
+        per_group: dict[int, int] = {}
+        for h in failed:
+            per_group[h // n] = per_group.get(h // n, 0) + 1
+        return any(c > s["m"] for c in per_group.values())
+    return any(all((h + j) % hosts in failed for j in range(s["r"])) for h in failed)
+
+
+def p_loss_burst(
+    s: dict[str, Any], hosts: int, burst: int, mode: str, trials: int, rng: random.Random
+) -> float:
+    """P(loss) for a burst of ``burst`` hosts: a rack whose hosts hold consecutive slots
+    (``rack``), a rack when slots were dealt round-robin across racks (``rack-spread``), or
+    hosts at random (``random``)."""
+    racks = max(hosts // burst, 1)
+    lost = 0
+    for _ in range(trials):
+        if mode == "rack":
+            start = rng.randrange(hosts)
+            failed = {(start + i) % hosts for i in range(burst)}
+        elif mode == "rack-spread":
+            r = rng.randrange(racks)
+            failed = {h for h in range(hosts) if h % racks == r}
+        else:
+            failed = set(rng.sample(range(hosts), burst))
+        lost += lost_by_burst(s, failed, hosts)
+    return lost / trials
+
+
+def measured_ratios() -> dict[str, float] | None:
+    """Parity and bytes sent per host over blob, as the daemons counted them in bench store."""
+    path = RESULTS / "store.jsonl"
+    if not path.exists():
+        return None
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    runs = [r for r in recs if r.get("kind") == "bytes"]
+    if not runs:
+        return None
+    last = runs[-1]["run_id"]
+    rows = [r for r in runs if r["run_id"] == last]
+    return {
+        "k": rows[0]["params"]["k"],
+        "m": rows[0]["params"]["m"],
+        "parity_over_blob": max(r["parity_over_blob"] for r in rows),
+        "sent_over_blob": max(r["sent_over_blob"] for r in rows),
+    }
+
+
+def run(
+    k: int, m: int, window_min: float, interval_s: float, persist_h: float, burst: int, trials: int
+) -> list[dict[str, Any]]:
+    rec = Recorder(
+        "scale",
+        {
+            "k": k,
+            "m": m,
+            "window_min": window_min,
+            "interval_s": interval_s,
+            "persist_interval_h": persist_h,
+            "burst": burst,
+            "trials": trials,
+            "daily_failure": DAILY_FAILURE,
+        },
+    )
+    rng = random.Random(20261129)
+    q = 1 - math.exp(-DAILY_FAILURE * window_min / (24 * 60))
+    rows = []
+    for hosts in SIZES:
+        failures_per_day = hosts * DAILY_FAILURE
+        for s in schemes(k, m):
+            p_ind = p_loss_independent(s, hosts, q)
+            p_rack = p_loss_burst(s, hosts, burst, "rack", trials, rng)
+            p_spread = p_loss_burst(s, hosts, burst, "rack-spread", min(trials, 200), rng)
+            p_rand = p_loss_burst(s, hosts, burst, "random", trials, rng)
+            # a failure loses half a snapshot interval, or half a persistent interval when the
+            # in-memory state does not survive the window that follows it
+            lost_h = failures_per_day * ((1 - p_ind) * interval_s / 7200 + p_ind * persist_h / 2)
+            rec.add(
+                kind="model",
+                hosts=hosts,
+                scheme=s["name"],
+                memory_per_host=memory_per_host(s),
+                sent_per_host=sent_per_host(s),
+                p_loss_window=p_ind,
+                p_loss_burst_rack=p_rack,
+                p_loss_burst_rack_spread=p_spread,
+                p_loss_burst_random=p_rand,
+                failures_per_day=failures_per_day,
+                lost_hours_per_day=lost_h,
+                unit="blob multiples, probabilities, hours",
+            )
+            rows.append(
+                (
+                    hosts,
+                    s["name"],
+                    memory_per_host(s),
+                    sent_per_host(s),
+                    p_ind,
+                    p_rack,
+                    p_spread,
+                    p_rand,
+                    lost_h,
+                )
+            )
+    meas = measured_ratios()
+    ec = schemes(k, m)[0]
+    if meas is not None and (meas["k"], meas["m"]) == (k, m):
+        match = {
+            "parity_model": ec["m"] / ec["k"],
+            "parity_measured": meas["parity_over_blob"],
+            "sent_model": sent_per_host(ec),
+            "sent_measured": meas["sent_over_blob"],
+        }
+        rec.add(
+            kind="check",
+            **match,
+            unit="blob multiples",
+            parity_error=match["parity_measured"] / match["parity_model"] - 1,
+            sent_error=match["sent_measured"] / match["sent_model"] - 1,
+        )
+    path = rec.write()
+    print(
+        table(
+            rows,
+            [
+                "hosts",
+                "scheme",
+                "memory/host",
+                "sent/host",
+                f"P(loss) {window_min:g} min",
+                f"P(loss) rack of {burst}",
+                "... slots across racks",
+                f"P(loss) {burst} random",
+                "lost h/day",
+            ],
+        )
+    )
+    checks = [r for r in rec.records if r["kind"] == "check"]
+    if checks:
+        c = checks[0]
+        print(
+            f"\ncheck against the daemons' byte counters (bench store, RS({k},{m})): parity "
+            f"{c['parity_measured']:.4f} x blob measured vs {c['parity_model']:.4f} modelled "
+            f"({c['parity_error']:+.2%}); sent {c['sent_measured']:.4f} vs "
+            f"{c['sent_model']:.4f} ({c['sent_error']:+.2%})"
+        )
+    else:
+        print(f"\n(no bench store run with RS({k},{m}) to check the byte model against)")
+    print(f"wrote {len(rec.records)} records to {path}")
+    return rec.records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ecsnap bench scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--m", type=int, default=1)
+    p.add_argument(
+        "--window-min",
+        type=float,
+        default=10.0,
+        help="minutes from a failure until redundancy is whole again",
+    )
+    p.add_argument("--interval-s", type=float, default=60.0, help="snapshot interval")
+    p.add_argument("--persist-h", type=float, default=3.0, help="persistent checkpoint interval")
+    p.add_argument("--burst", type=int, default=8, help="hosts lost together in a burst")
+    p.add_argument("--trials", type=int, default=2000)
+    a = p.parse_args(argv)
+    run(a.k, a.m, a.window_min, a.interval_s, a.persist_h, a.burst, a.trials)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
