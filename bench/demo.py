@@ -149,6 +149,7 @@ class Demo:
             "job": self.job if store else None,
             "root": str(self.root),
             "resume": resume,
+            "fail_at": kill_at,
         }
         port = _free_port()
         events: queue.Queue[tuple[int, dict[str, Any] | str]] = queue.Queue()

@@ -227,6 +227,10 @@ def main() -> None:
                 },
             )
             put_s = time.perf_counter() - t0 + t_wait
+            if step == cfg.get("fail_at"):
+                # the demo's failure strikes once this step is protected, so every run shows a
+                # resume from memory (what a real failure finds depends on timing)
+                handle.wait(120)
         emit(
             event="step",
             rank=rank,
