@@ -73,6 +73,7 @@ class Catalog:
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         self.steps: dict[int, StepRec] = {}
+        self.recently_protected: dict[int, None] = {}  # insertion-ordered, bounded
         self.group_of = {slot: g for g in groups for slot in g.slots}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -108,6 +109,11 @@ class Catalog:
                     rec.parity[slot] = str(event["parity"])
                 if len(rec.stored) == self.slots:
                     rec.state = "protected"
+                    # retention may drop it in this same round: a late waiter must still learn
+                    # that it was protected
+                    self.recently_protected[rec.step] = None
+                    while len(self.recently_protected) > 4096:
+                        self.recently_protected.pop(next(iter(self.recently_protected)))
                     for old in self.evictions():
                         del self.steps[old]
                     for old in [s for s, r in self.steps.items() if r.state == "lost"]:
@@ -125,6 +131,7 @@ class Catalog:
         rec = self.steps.get(step)
         if rec is None or rec.state == "lost":  # a lost step's number may be put afresh
             rec = self.steps[step] = StepRec(step, world)
+            self.recently_protected.pop(step, None)
         if rec.state != "staging":
             return
         if world != rec.world_size:

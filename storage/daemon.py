@@ -683,6 +683,7 @@ class Daemon:
         for key in [key for key in self.t_alloc if key[0] == step]:
             del self.t_alloc[key]
         loc = self.local.pop(step, None)
+
         if loc is not None:
             for name in loc.buffers.values():
                 if self.leases.get(name):
@@ -1035,7 +1036,9 @@ class Daemon:
         with self.cond:
             while True:
                 rec = self.catalog.steps.get(step)
-                if rec is not None and rec.state == "protected":
+                if (rec is not None and rec.state == "protected") or (
+                    step in self.catalog.recently_protected and step not in self.announced
+                ):
                     return {"step": step}
                 if step in self._failed:
                     raise CapacityError(f"step {step} failed: {self._failed[step]}")

@@ -96,6 +96,7 @@ def test_threads_give_same_bytes_as_one_thread() -> None:
 
 def test_matches_pyeclib_isa_l_rs_cauchy() -> None:
     from pyeclib import ec_iface as pyeclib  # a dependency: its absence is a failure
+
     rng = np.random.default_rng(3)
     for k, m in [(2, 1), (4, 2), (8, 3), (10, 4)]:
         driver = pyeclib.ECDriver(k=k, m=m, ec_type="isa_l_rs_cauchy")
@@ -117,6 +118,7 @@ def test_buffer_kinds() -> None:
     assert bytes(parity[0]) == expected[0].tobytes()
     np.testing.assert_array_equal(parity[1], expected[1])
     import torch
+
     t = torch.arange(75, dtype=torch.float32).reshape(3, 25)
     rows = [t[i].numpy() for i in range(3)]
     out = rs.encode(rows)
