@@ -378,39 +378,28 @@ class Daemon:
         g = self.group
         return rec.layouts[g.index], g.position(self.slot)
 
-    def _verify(self, rec: StepRec, ranks: Iterable[int] | None = None) -> Erasures:
-        """Check this host's chunks of ``rec`` (all, or only ``ranks``' data) against the manifest.
+    def _verify(self, rec: StepRec) -> Erasures:
+        """Check this host's chunks of ``rec`` against the manifest's checksums.
 
         Missing or short files and checksum mismatches are erasures. Adopts files into the pool.
         """
         e = Erasures()
-        crcs = rec.stored.get(self.slot, {})
-        data_crc, parity_crc = crcs.get("data", []), crcs.get("parity", [])
-        blob = rec.blobs[self.slot]
-        only = set(ranks) if ranks is not None else None
-        for c, ref in enumerate(blob.chunks):
-            if only is not None and ref.rank not in only:
-                continue
-            buf = self._shard_buffer(rec, ref.rank)
-            if buf is None or c >= len(data_crc):
-                e.data.add(c)
-                continue
-            if checksum(buf.file.array[ref.offset : ref.offset + ref.length]) != data_crc[c]:
-                e.data.add(c)
-        if only is None:
-            layout, pos = self._my_layout(rec)
-            n = len(layout.parity_stripes[pos])
-            if n:
-                cb = self.chunk_bytes
-                name = rec.parity.get(self.slot)
-                buf = self._file(name, n * cb) if name else None
-                for i in range(n):
-                    if (
-                        buf is None
-                        or i >= len(parity_crc)
-                        or checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]
-                    ):
-                        e.parity.add(i)
+        parity_crc = rec.stored.get(self.slot, {}).get("parity", [])
+        for rank in sorted({ref.rank for ref in rec.blobs[self.slot].chunks}):
+            e.data.update(self._lost_chunks(rec, rank))
+        layout, pos = self._my_layout(rec)
+        n = len(layout.parity_stripes[pos])
+        if n:
+            cb = self.chunk_bytes
+            name = rec.parity.get(self.slot)
+            buf = self._file(name, n * cb) if name else None
+            for i in range(n):
+                if (
+                    buf is None
+                    or i >= len(parity_crc)
+                    or checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]
+                ):
+                    e.parity.add(i)
         if e:
             self.stats["checksum_failures"] += len(e.data) + len(e.parity)
         return e
@@ -892,6 +881,13 @@ class Daemon:
                     result = {"bad": bad, "slot": shard.slot}
                 self._fetch_finish(f["id"], result)
 
+    def _lost_chunks(self, rec: StepRec, rank: int) -> list[int]:
+        """Blob chunk indexes of ``rank``'s shard here that are missing or fail their checksum."""
+        buf = self._shard_buffer(rec, rank)
+        if buf is None:
+            return [c for c, ref in enumerate(rec.blobs[self.slot].chunks) if ref.rank == rank]
+        return self._bad_chunks(rec, rank, buf.file.array)
+
     def _bad_chunks(self, rec: StepRec, rank: int, data: np.ndarray[Any, Any]) -> list[int]:
         """Blob chunk indexes of ``rank``'s shard (bytes in ``data``) that fail their checksum."""
         shard = rec.shards[rank]
@@ -1107,19 +1103,14 @@ class Daemon:
                 )
             out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
             if shard.slot == self.slot:
-                buf = self._shard_buffer(rec, rank)
-                bad = (
-                    [c for c, ref in enumerate(rec.blobs[self.slot].chunks) if ref.rank == rank]
-                    if buf is None
-                    else self._bad_chunks(rec, rank, buf.file.array)
-                )
+                bad = self._lost_chunks(rec, rank)
                 if not bad:
                     with self.lock:
                         self.leases.setdefault(shard.buffer, set()).add(int(msg["_conn"]))
                     return {
                         **out,
                         "path": str(self.pool.path(shard.buffer)),
-                        "size": buf.size,
+                        "size": self.pool.get(shard.buffer).size,
                         "buffer": shard.buffer,
                         "temp": False,
                     }

@@ -27,7 +27,7 @@ import torch
 
 from storage.errors import UnsupportedTypeError
 
-__all__ = ["Leaf", "copy_pieces", "flatten", "unflatten"]
+__all__ = ["Leaf", "copy_pieces", "flatten", "stage", "unflatten_views"]
 
 ALIGN = 64
 _PARALLEL_MIN = 32 << 20  # below this one thread copies faster than two
@@ -260,40 +260,6 @@ def stage(
         if leaf.nbytes:
             jobs.append((dest[leaf.offset : leaf.offset + leaf.nbytes], _source_bytes(leaf)))
     copy_pieces(jobs, pool)
-
-
-def unflatten(
-    skeleton: Any,
-    leaf_meta: list[dict[str, Any]],
-    data: np.ndarray[Any, Any],
-    pool: ThreadPoolExecutor | None = None,
-) -> Any:
-    """Rebuild the state from its skeleton and the shard bytes ``data``; tensors are new copies."""
-    leaves = [Leaf.from_meta(m) for m in leaf_meta]
-    made: list[Any] = []
-    jobs = []
-    for leaf in leaves:
-        if leaf.kind == "torch":
-            t = torch.empty(leaf.shape, dtype=_torch_dtype(leaf.dtype))
-            if leaf.nbytes:
-                jobs.append(
-                    (
-                        t.reshape(-1).view(torch.uint8).numpy(),
-                        data[leaf.offset : leaf.offset + leaf.nbytes],
-                    )
-                )
-            if leaf.requires_grad:
-                t.requires_grad_(True)
-            made.append(t)
-        else:
-            a = np.empty(leaf.shape, dtype=_np_dtype(leaf.dtype))
-            if leaf.nbytes:
-                jobs.append(
-                    (a.reshape(-1).view(np.uint8), data[leaf.offset : leaf.offset + leaf.nbytes])
-                )
-            made.append(a)
-    copy_pieces(jobs, pool)
-    return _build(skeleton, made)
 
 
 def unflatten_views(skeleton: Any, leaf_meta: list[dict[str, Any]], buffer: Any) -> Any:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from storage.errors import UnsupportedTypeError
-from storage.state import ALIGN, flatten, stage, unflatten
+from storage.state import ALIGN, flatten, stage, unflatten_views
 from tests.mpi._states import DTYPES, assert_same, make_state
 
 
@@ -19,7 +19,7 @@ def round_trip(state, pool=None):
     stage(leaves, buf, pool)
     # the skeleton and leaf metadata travel as JSON: nothing else may be needed to rebuild
     meta = json.loads(json.dumps({"s": skeleton, "l": [leaf.meta() for leaf in leaves]}))
-    return unflatten(meta["s"], meta["l"], buf, pool), leaves
+    return unflatten_views(meta["s"], meta["l"], buf), leaves
 
 
 def test_mixed_state_bit_exact() -> None:
@@ -44,7 +44,7 @@ def test_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> No
     assert_same(out, {"t": t})
 
 
-def test_noncontiguous_and_views_come_back_contiguous_copies() -> None:
+def test_noncontiguous_tensors_come_back_contiguous_and_apart_from_the_source() -> None:
     base = torch.arange(60.0).reshape(6, 10)
     state = {
         "t": base.t(),
@@ -56,7 +56,7 @@ def test_noncontiguous_and_views_come_back_contiguous_copies() -> None:
     assert torch.equal(out["s"], state["s"])
     assert torch.equal(out["conj"], state["conj"].resolve_conj())
     out["t"][0, 0] = -1
-    assert base[0, 0] == 0  # a copy, not a view of anything the caller holds
+    assert base[0, 0] == 0  # views of the shard, not of anything the caller holds
 
 
 def test_requires_grad_kept() -> None:
