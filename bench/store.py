@@ -410,8 +410,9 @@ def run(
     print(
         table(
             [
-                (n, v, f"{op} {t}", "yes" if (v <= t if op == "<=" else v >= t) else "NO")
-                for n, v, t, op in ratios
+                (r["name"], r["value"], r["target"], "yes" if r["met"] else "NO")
+                for r in rec.records
+                if r["kind"] == "ratio"
             ],
             ["ratio (this run)", "value", "target", "met"],
         )
