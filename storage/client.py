@@ -351,6 +351,19 @@ class Store:
             weakref.finalize(mm, self._unleases.append, reply["buffer"])
         return _state.unflatten_views(skeleton, leaves, mm)
 
+    def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:
+        """(step, structure) of what ``rank`` put at ``step``, touching none of its bytes.
+
+        The structure is the state dict as put, with a :class:`storage.state.Leaf` (dtype,
+        shape, size) in place of each tensor or array and every other value as it was. Any
+        daemon answers from its catalog, so this costs one local request whatever the size.
+        """
+        self._check_open()
+        rank = self.rank if rank is None else rank
+        reply = self._request({"op": "get", "step": step, "rank": rank, "meta_only": True})
+        leaves = [_state.Leaf.from_meta(m) for m in reply["meta"]["leaves"]]
+        return int(reply["step"]), _state.build(reply["meta"]["skeleton"], leaves)
+
     def _get_to_device(self, reply: dict[str, Any], device: Any) -> Any:
         import torch
 

@@ -1166,6 +1166,8 @@ class Daemon:
                     f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
                 )
             out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
+            if msg.get("meta_only"):
+                return out  # the structure only: every daemon's catalog holds it
             if shard.slot == self.slot:
                 bad = self._lost_chunks(rec, rank)
                 if not bad:

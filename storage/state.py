@@ -27,7 +27,7 @@ import torch
 
 from storage.errors import UnsupportedTypeError
 
-__all__ = ["Leaf", "copy_pieces", "flatten", "stage", "unflatten_views"]
+__all__ = ["Leaf", "build", "copy_pieces", "flatten", "stage", "unflatten_views"]
 
 ALIGN = 64
 _PARALLEL_MIN = 32 << 20  # below this one thread copies faster than two
@@ -294,6 +294,11 @@ def unflatten_views(skeleton: Any, leaf_meta: list[dict[str, Any]], buffer: Any)
                         leaf.shape
                     )
                 )
+    return _build(skeleton, made)
+
+
+def build(skeleton: Any, made: list[Any]) -> Any:
+    """The nested structure of ``skeleton`` with leaf i replaced by ``made[i]``."""
     return _build(skeleton, made)
 
 

@@ -229,6 +229,21 @@ SCENARIOS = {
 }
 
 
+def _dcp_scenario(name: str) -> Any:
+    def run(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
+        from . import _dcp  # torch.distributed only where a scenario needs it
+
+        result: dict[str, Any] = getattr(_dcp, name)(store, rank, world, p)
+        return result
+
+    return run
+
+
+SCENARIOS.update(
+    {name: _dcp_scenario(name) for name in ("dcp_save", "dcp_load", "fsdp_save", "fsdp_load")}
+)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     with storage.connect(

@@ -1,0 +1,423 @@
+"""``torch.distributed.checkpoint`` (DCP) with ecsnap as the storage.
+
+The one-line change for a DCP user::
+
+    dcp.save(state_dict, storage_writer=SnapshotWriter(store, step))        # was FileSystemWriter
+    dcp.async_save(state_dict, storage_writer=SnapshotWriter(store, step))  # stages into daemons
+    dcp.load(state_dict, storage_reader=SnapshotReader(store))              # newest step
+
+Each rank's write items become one ``put`` of that rank: ``{"dcp": [item descriptors], "t":
+{key: tensor}}``, so a DCP checkpoint is an ordinary ecsnap step (erasure-coded, rebuilt after
+host loss, listed by ``ecsnap status``). There is no separate metadata file: the reader rebuilds
+DCP's :class:`Metadata` from every rank's descriptors, which each daemon's catalog holds, so
+loading with another number of ranks (DCP's planner reshards) reads only the chunks it needs.
+
+``async_save``: the writer is its own :class:`AsyncStager`. ``stage`` puts the state dict's
+tensors (a DTensor's local shard, a ShardedTensor's local shards) straight into daemon memory,
+one copy, and returns once they are there; the training loop may then change its tensors. The
+background save that DCP runs afterwards only plans and waits for the parity.
+
+Non-tensor values are pickled by DCP itself (``torch.save`` into its ``BytesIO`` items, loaded
+back with ``torch.load``), as with any DCP storage; ecsnap stores those bytes as a uint8 tensor
+and never unpickles anything. Use one writer per step.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from storage.client import Store
+from storage.errors import StepNotFoundError, StorageError
+
+__all__ = ["SnapshotReader", "SnapshotWriter"]
+
+FORMAT = 1
+
+
+def _step_of(checkpoint_id: Any) -> int | None:
+    """An ecsnap step from a DCP ``checkpoint_id`` (an int, or a str of one); None if not one."""
+    if checkpoint_id is None:
+        return None
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+        step = checkpoint_id
+    elif isinstance(checkpoint_id, str) and checkpoint_id.strip().isdigit():
+        step = int(checkpoint_id)
+    else:
+        raise StorageError(
+            f"checkpoint_id {checkpoint_id!r} is not an ecsnap step (an int >= 0, or a string "
+            "of one)"
+        )
+    if step < 0:
+        raise StorageError(f"checkpoint_id {checkpoint_id!r}: steps are >= 0")
+    return step
+
+
+def _name(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _torch_attr(name: str, kind: type) -> Any:
+    value = getattr(torch, name, None)
+    if not isinstance(value, kind):
+        raise StorageError(f"a stored DCP item names an unknown {kind.__name__} {name!r}")
+    return value
+
+
+def _describe(item: WriteItem, key: str) -> dict[str, Any]:
+    """A JSON descriptor of one write item: enough to rebuild DCP's metadata for it."""
+    out: dict[str, Any] = {"key": key, "fqn": item.index.fqn, "index": item.index.index}
+    if item.type == WriteItemType.BYTE_IO:
+        out["type"] = "bytes"
+        return out
+    td = item.tensor_data
+    if td is None:
+        raise StorageError(f"DCP write item {item.index.fqn!r} is a tensor without tensor data")
+    p = td.properties
+    out.update(
+        type="tensor",
+        offsets=list(td.chunk.offsets),
+        sizes=list(td.chunk.sizes),
+        size=list(td.size),
+        dtype=_name(p.dtype),
+        layout=_name(p.layout),
+        memory_format=_name(p.memory_format),
+        requires_grad=bool(p.requires_grad),
+        pin_memory=bool(p.pin_memory),
+    )
+    return out
+
+
+def _as_bytes_tensor(data: Any, fqn: str) -> torch.Tensor:
+    if isinstance(data, io.BytesIO):
+        raw = data.getvalue()
+    elif isinstance(data, (bytes, bytearray)):
+        raw = bytes(data)
+    else:
+        raise StorageError(f"DCP item {fqn!r}: expected bytes, got {type(data).__name__}")
+    return (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
+
+
+def _detach(data: Any, fqn: str) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise StorageError(f"DCP item {fqn!r}: expected a tensor, got {type(data).__name__}")
+    return data.detach()
+
+
+class SnapshotWriter(StorageWriter):
+    """DCP ``StorageWriter`` (and ``AsyncStager``) that saves ``step`` into the ecsnap daemons.
+
+    ``store`` is this rank's :class:`storage.Store` (its rank is the DCP rank). The save returns
+    once the step is *protected* (parity stored on peers), as DCP's save returns once written.
+    ``checkpoint_id`` passed to ``dcp.save`` may name the step instead (an int).
+    """
+
+    _synchronize_after_execute = False  # stage() returns only when the copy is done
+
+    def __init__(self, store: Store, step: int | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.step = step
+        self._staged: tuple[int, Any, dict[tuple[str, tuple[int, ...] | None], str]] | None = None
+        self._lock = threading.Lock()
+
+    # -- AsyncStager ------------------------------------------------------------------------------
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Put ``state_dict`` into daemon memory now (one copy); DCP's background save then only
+        plans and waits for the parity. Returns ``state_dict``: its tensors may change from here."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+        step = self._require_step()
+        flat, _ = flatten_state_dict(state_dict)
+        items: list[tuple[WriteItem, Any]] = []
+        for fqn, obj in flat.items():
+            made = _create_write_items(fqn, obj)
+            if hasattr(obj, "to_local"):
+                datas: list[Any] = [obj.to_local()]
+            elif hasattr(obj, "local_shards"):
+                datas = [s.tensor for s in obj.local_shards()]
+            elif isinstance(obj, torch.Tensor):
+                datas = [obj]
+            else:
+                buf = io.BytesIO()
+                torch.save(obj, buf)  # what DCP's planner does with a non-tensor value
+                datas = [buf]
+            if len(made) != len(datas):
+                raise StorageError(
+                    f"DCP item {fqn!r}: {len(made)} write items, {len(datas)} shards"
+                )
+            items += list(zip(made, datas, strict=True))
+        handle, keys = self._put(step, items)
+        handle.staged.result()
+        with self._lock:
+            self._staged = (step, handle, keys)
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the bytes are in daemon memory."""
+
+    def close(self) -> None:
+        """Nothing to release (the store belongs to the caller)."""
+
+    # -- StorageWriter ----------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        rank = kwargs.get("rank")
+        if rank is not None and rank != self.store.rank:
+            raise StorageError(
+                f"DCP rank {rank} saves through the store of rank {self.store.rank}: connect each "
+                "rank's store with its own rank"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:  # async_save: the bytes went in at stage(); match the plan to them
+            step, handle, keys = staged
+            if self.step is not None and step != self.step:
+                raise StorageError(f"staged step {step} but asked to write step {self.step}")
+            chosen = []
+            for item in plan.items:
+                key = keys.get((item.index.fqn, _offset(item.index.offset)))
+                if key is None:
+                    raise StorageError(
+                        f"DCP plans item {item.index.fqn!r} at {item.index.offset} that stage() "
+                        "did not put; SnapshotWriter's staging follows DefaultSavePlanner's "
+                        "flattening"
+                    )
+                chosen.append((item, key))
+        else:
+            data = [(item, planner.resolve_data(item)) for item in plan.items]
+            handle, keys = self._put(self._require_step(), data)
+            chosen = [
+                (item, keys[(item.index.fqn, _offset(item.index.offset))]) for item in plan.items
+            ]
+        handle.wait()
+        results = [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=_item_bytes(item),
+                storage_data={"rank": self.store.rank, "key": key},
+            )
+            for item, key in chosen
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing to write: every rank's descriptors are in its shard of the step."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        try:
+            return _step_of(checkpoint_id) is not None
+        except StorageError:
+            return False
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _require_step(self) -> int:
+        if self.step is None:
+            raise StorageError("SnapshotWriter needs a step: SnapshotWriter(store, step)")
+        return self.step
+
+    def _put(
+        self, step: int, items: Sequence[tuple[WriteItem, Any]]
+    ) -> tuple[Any, dict[tuple[str, tuple[int, ...] | None], str]]:
+        tensors: dict[str, torch.Tensor] = {}
+        descriptors = []
+        keys: dict[tuple[str, tuple[int, ...] | None], str] = {}
+        for n, (item, data) in enumerate(items):
+            key = str(n)
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                tensors[key] = _as_bytes_tensor(data, fqn)
+            else:
+                tensors[key] = _detach(data, fqn)
+            descriptors.append(_describe(item, key))
+            keys[(fqn, _offset(item.index.offset))] = key
+        return self.store.put(step, {"format": FORMAT, "dcp": descriptors, "t": tensors}), keys
+
+
+def _offset(offset: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if offset is None else tuple(int(o) for o in offset)
+
+
+def _item_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    if td is None:
+        return 0
+    n = 1
+    for s in td.chunk.sizes:
+        n *= int(s)
+    return n * torch.empty(0, dtype=td.properties.dtype).element_size()
+
+
+class SnapshotReader(StorageReader):
+    """DCP ``StorageReader`` over an ecsnap step (default: the newest protected one).
+
+    Works with any number of loading ranks: DCP's planner picks the chunks each rank needs and
+    this reader takes them from the rank that stored them, its own first (local memory), else
+    through the daemons (fetched from whichever host holds it, rebuilt if its host was lost).
+    """
+
+    def __init__(self, store: Store, step: int | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.step = step
+        self._where: dict[tuple[str, tuple[int, ...] | None], list[tuple[int, str]]] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        step = self.step if self.step is not None else self.store.latest_step()
+        if step is None:
+            raise StepNotFoundError("no protected step to load from", None)
+        world = self.store.status(step).world_size
+        md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        storage: dict[MetadataIndex, Any] = {}
+        self._where = {}
+        for rank in range(world):
+            step, tree = self.store.structure(step, rank=rank)
+            if not isinstance(tree, dict) or "dcp" not in tree:
+                raise StorageError(
+                    f"step {step} rank {rank} was not saved through SnapshotWriter (no DCP "
+                    "descriptors); read it with store.get()"
+                )
+            if tree.get("format") != FORMAT:
+                raise StorageError(f"step {step}: DCP format {tree.get('format')} is not {FORMAT}")
+            for d in tree["dcp"]:
+                fqn = d["fqn"]
+                where: tuple[str, tuple[int, ...] | None]
+                if d["type"] == "bytes":
+                    md.setdefault(fqn, BytesStorageMetadata())
+                    where = (fqn, None)
+                    index = MetadataIndex(fqn)
+                else:
+                    offsets = torch.Size(d["offsets"])
+                    props = TensorProperties(
+                        dtype=_torch_attr(d["dtype"], torch.dtype),
+                        layout=_torch_attr(d["layout"], torch.layout),
+                        requires_grad=d["requires_grad"],
+                        memory_format=_torch_attr(d["memory_format"], torch.memory_format),
+                        pin_memory=d["pin_memory"],
+                    )
+                    tmd = md.get(fqn)
+                    if tmd is None:
+                        tmd = md[fqn] = TensorStorageMetadata(props, torch.Size(d["size"]), [])
+                    elif not isinstance(tmd, TensorStorageMetadata):
+                        raise StorageError(f"step {step}: {fqn!r} stored as bytes and as a tensor")
+                    where = (fqn, tuple(offsets))
+                    if where not in self._where:
+                        tmd.chunks.append(ChunkStorageMetadata(offsets, torch.Size(d["sizes"])))
+                    index = MetadataIndex(fqn, offsets)
+                self._where.setdefault(where, []).append((rank, d["key"]))
+                storage.setdefault(index, {"rank": rank, "key": d["key"]})
+        self.step = step
+        return Metadata(
+            state_dict_metadata=md,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=str(step)),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not self._where:  # metadata read on another rank and broadcast: index it here too
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_rank: dict[int, list[tuple[Any, str]]] = {}
+        for item in plan.items:
+            si = item.storage_index
+            holders = self._where.get((si.fqn, _offset(si.offset)))
+            if not holders:
+                raise StorageError(f"step {self.step} holds no item {si.fqn!r} at {si.offset}")
+            rank, key = next(((r, k) for r, k in holders if r == self.store.rank), holders[0])
+            by_rank.setdefault(rank, []).append((item, key))
+        for rank, wanted in sorted(by_rank.items()):
+            tensors = self.store.get(self.step, rank=rank)["t"]
+            for item, key in wanted:
+                src = tensors[key]
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(src.numpy().tobytes()))
+                    continue
+                for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    src = src.narrow(dim, o, n)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != src.size():
+                    raise StorageError(
+                        f"{item.dest_index.fqn!r}: stored chunk {tuple(src.size())} does not fit "
+                        f"{tuple(target.size())}"
+                    )
+                target.copy_(src)
+                planner.commit_tensor(item, target)
+            del tensors  # the views go: the daemon may reuse that memory
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        try:
+            return _step_of(checkpoint_id) is not None
+        except StorageError:
+            return False
