@@ -148,6 +148,7 @@ class SnapshotWriter(StorageWriter):
         self.step = step
         self._staged: tuple[int, Any, dict[tuple[str, tuple[int, ...] | None], str]] | None = None
         self._lock = threading.Lock()
+        self.staged_steps: list[int] = []  # steps stage() put into daemon memory (async_save)
 
     # -- AsyncStager ------------------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class SnapshotWriter(StorageWriter):
         handle.staged.result()
         with self._lock:
             self._staged = (step, handle, keys)
+            self.staged_steps.append(step)
         return state_dict
 
     def synchronize_staging(self) -> None:

@@ -93,9 +93,10 @@ def dcp_save(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str
         state = sharded(mesh, full_state(2), "rows")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # DCP's own deprecations
-            fut = dcp.async_save(state, storage_writer=SnapshotWriter(store, 2))
+            writer = SnapshotWriter(store, 2)
+            fut = dcp.async_save(state, storage_writer=writer)
         # SnapshotWriter is its own stager: this rank's bytes are in daemon memory already
-        staged_at_return = rank in store.status(2).ranks_staged
+        staged_at_return = writer.staged_steps == [2]
         state["model"]["w"].to_local().fill_(-1.0)  # training goes on: must not reach step 2
         state["extra"]["plain"].fill_(-1)
         fut.result()
