@@ -388,14 +388,16 @@ class Store:
         return out
 
     def latest_step(self) -> int | None:
-        """The newest protected step, or None."""
+        """The newest step some tier can serve (memory, or the persistent tier), or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
     def steps(self) -> list[int]:
-        """Protected steps, ascending."""
+        """Steps that can be read, ascending: protected in memory, or published on disk (with
+        ``ecsnap serve --persist-dir``). :meth:`status` says which tier holds a step."""
         self._check_open()
-        return [int(s) for s in self._request({"op": "steps"})["steps"]]
+        r = self._request({"op": "steps"})
+        return sorted({int(s) for s in r["steps"]} | {int(s) for s in r.get("disk", [])})
 
     def status(self, step: int) -> StepStatus:
         """Where ``step`` stands; :class:`StepNotFoundError` if no daemon holds it."""

@@ -44,6 +44,9 @@ class ServeConfig:
     peer_timeout: float = 120.0
     window: int = 64  # stripes per pipelined exchange window
     encode_threads: int = 2
+    persist_dir: Path | None = None  # the persistent tier: DIR/<job>/step-<step>/
+    persist_every: int = 0  # persist the protected steps that are multiples of this
+    persist_keep: int = 2  # published steps kept on disk
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -59,6 +62,14 @@ class ServeConfig:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.peer_timeout <= 0:
             raise ConfigError("--peer-timeout must be positive")
+        if self.persist_dir is not None and self.persist_every < 1:
+            raise ConfigError(
+                "--persist-dir needs --persist-every N >= 1 (persist steps N, 2N, ...)"
+            )
+        if self.persist_dir is None and self.persist_every:
+            raise ConfigError("--persist-every needs --persist-dir")
+        if self.persist_keep < 1:
+            raise ConfigError(f"--persist-keep must be >= 1, got {self.persist_keep}")
         for name in self.virtual_hosts or ():
             check_name("host", name)
         if self.virtual_hosts and len(set(self.virtual_hosts)) != len(self.virtual_hosts):

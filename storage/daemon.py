@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -43,7 +44,7 @@ import numpy as np
 
 from codec import RSCodec, checksum
 from codec.layout import zeros
-from storage import recovery
+from storage import persist, recovery
 from storage.catalog import Catalog, StepRec
 from storage.config import DEFAULT_ROOT, ServeConfig, host_dir
 from storage.errors import (
@@ -66,6 +67,9 @@ from transport.errors import PeerTimeoutError
 __all__ = ["Daemon", "main"]
 
 TAG_DATA, TAG_PARITY, TAG_FETCH, TAG_REPAIR = 11, 12, 13, 14
+
+
+_PERSIST = -1  # the lease the persister holds on a buffer it writes (connections are > 0)
 
 
 def _log(host: str, msg: str) -> None:
@@ -151,6 +155,15 @@ class Daemon:
         self.missing_slots: set[int] = set()
         # (step, erasures by slot) still to rebuild after start-up, oldest last; same everywhere
         self.deferred_repairs: list[tuple[int, dict[int, Erasures]]] = []
+        # the persistent tier: one writer thread; ranks persisted per step, gathered from events
+        self.persist_root = config.persist_dir
+        self._persister = (
+            ThreadPoolExecutor(1, thread_name_prefix="ecsnap-persist")
+            if config.persist_dir is not None
+            else None
+        )
+        self.persist_acc: dict[int, dict[str, Any]] = {}
+        self.restoring: int | None = None  # a step being put back from disk at start-up
         self.t_alloc: dict[tuple[int, int], float] = {}  # (step, rank) -> when the put began
         self.metrics = Metrics(self)
         self.stats: dict[str, float] = {
@@ -165,6 +178,11 @@ class Daemon:
             "rebuilt_chunks": 0,
             "adopted_steps": 0,
             "lost_steps": 0,
+            "persisted_steps": 0,  # published on disk (every daemon counts them)
+            "persist_bytes": 0,  # written by this daemon
+            "persist_seconds": 0,
+            "restored_steps": 0,  # put back into memory from disk at start-up
+            "disk_reads": 0,  # shards served straight from disk
         }
 
     @property
@@ -318,6 +336,8 @@ class Daemon:
                 self._write_manifest(rec, loc)
             else:
                 (self.dir / "steps" / f"{step}.json").unlink(missing_ok=True)
+        if self.persist_root is not None:
+            self._restore_newest()
         if self.deferred_repairs:
             self.degraded_stripes = self._degraded(self.deferred_repairs)
         else:
@@ -333,6 +353,185 @@ class Daemon:
                 f"{int(self.stats['rebuilt_chunks'])} chunk(s) here; lost steps {lost or 'none'}; "
                 f"removed {len(removed)} file(s) of unfinished steps",
             )
+
+    # -- the persistent tier ---------------------------------------------------------------------
+
+    def _restore_newest(self) -> None:
+        """Put the newest persisted step back into memory if memory holds nothing as new
+        (collective). Each daemon reads the ranks whose host it is (or that fall to its slot)
+        and stages them as a trainer would; the usual rounds then protect the step."""
+        assert self.persist_root is not None
+        root, job = self.persist_root, self.config.job
+        if self.rank == 0:
+            persist.remove_partials(root, job)
+            disk = persist.complete_steps(root, job)
+        else:
+            disk = None
+        disk = self.links.allgather_json(disk, "persisted steps")[0]
+        latest = self.catalog.latest()
+        if not disk or (latest is not None and disk[-1] <= latest):
+            return
+        step = int(disk[-1])
+        taken: list[tuple[int, Any, dict[str, Any]]] = []
+        error = None
+        try:
+            m = persist.manifest(root, job, step)
+            for r, entry in sorted(m["ranks"].items(), key=lambda kv: int(kv[0])):
+                host = entry.get("host")
+                slot = self.hosts.index(host) if host in self.hosts else int(r) % self.nslots
+                if slot != self.slot:
+                    continue
+                nbytes = int(entry["nbytes"])
+                buf = self.pool.take(nbytes, f"r{r}-")
+                taken.append((int(r), buf, entry))
+                persist.read_rank(persist.step_dir(root, job, step), entry, buf.file.array)
+        except StorageError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [e for e in self.links.allgather_json(error, f"restore of {step}") if e]
+        if errors:
+            for _, buf, _ in taken:
+                self.pool.release(buf.name)
+            _log(self.host, f"cannot put step {step} back from {root}: {errors[0]}")
+            return
+        world = int(m["world_size"])
+        with self.lock:
+            for r, buf, entry in taken:
+                shard = {
+                    "rank": r,
+                    "slot": self.slot,
+                    "nbytes": int(entry["nbytes"]),
+                    "buffer": buf.name,
+                    "meta": entry["meta"],
+                }
+                self.events.append(
+                    {"e": "staged", "step": step, "world_size": world, "shard": shard}
+                )
+                self.announced.add(step)
+            self.restoring = step
+        self.stats["restored_steps"] += 1
+        _log(self.host, f"putting step {step} back from {root} ({len(taken)} rank(s) here)")
+
+    def _maybe_persist(self, rec: StepRec) -> None:
+        """Queue this host's shards of a newly protected step for the disk (caller holds lock)."""
+        if self._persister is None or self.persist_root is None:
+            return
+        if rec.step % self.config.persist_every:
+            return
+        if persist.step_dir(self.persist_root, self.config.job, rec.step).exists():
+            return  # put back from disk: it is there already
+        mine = [
+            (r, s.buffer, s.meta, s.nbytes) for r, s in rec.shards.items() if s.slot == self.slot
+        ]
+        for _, name, _, _ in mine:
+            self.leases.setdefault(name, set()).add(_PERSIST)  # kept past retention until written
+        self._persister.submit(self._persist_step, rec.step, rec.world_size, mine)
+
+    def _persist_step(
+        self, step: int, world: int, mine: list[tuple[int, str, dict[str, Any], int]]
+    ) -> None:
+        """Write this host's shards of ``step`` to the partial directory (persister thread)."""
+        assert self.persist_root is not None
+        t0 = time.monotonic()
+        event: dict[str, Any] = {"e": "persisted", "step": step, "world_size": world}
+        try:
+            partial = persist.partial_dir(self.persist_root, self.config.job, step)
+            partial.mkdir(mode=0o700, parents=True, exist_ok=True)
+            entries = {}
+            written = 0
+            for rank, name, meta, nbytes in mine:
+                data = self.pool.get(name).file.array[:nbytes]
+                entry = persist.write_rank(partial / f"rank-{rank}.safetensors", meta, data)
+                entry.update(meta=meta, nbytes=nbytes, host=self.host)
+                entries[str(rank)] = entry
+                written += int(entry["bytes"])
+            event["ranks"] = entries
+            self.stats["persist_bytes"] += written
+            self.stats["persist_seconds"] += time.monotonic() - t0
+        except (OSError, StorageError, KeyError) as exc:
+            event = {"e": "persist_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"}
+        with self.lock:
+            for _, name, _, _ in mine:
+                self._unlease(name, _PERSIST)
+            self.events.append(event)
+            self.wake.set()
+
+    def _persist_event(self, event: dict[str, Any]) -> None:
+        """Gather persisted ranks; once all are on disk the leader publishes (caller holds lock)."""
+        step = int(event["step"])
+        if event["e"] == "persist_failed":
+            self.persist_acc.pop(step, None)
+            _log(self.host, f"step {step} was not persisted: {event.get('error')}")
+            if self.rank == 0 and self._persister is not None and self.persist_root is not None:
+                partial = persist.partial_dir(self.persist_root, self.config.job, step)
+                self._persister.submit(shutil.rmtree, partial, True)
+            return
+        acc = self.persist_acc.setdefault(step, {"world": int(event["world_size"]), "ranks": {}})
+        acc["ranks"].update({int(r): e for r, e in event.get("ranks", {}).items()})
+        if len(acc["ranks"]) < acc["world"]:
+            return
+        del self.persist_acc[step]
+        self.stats["persisted_steps"] += 1
+        if self.rank == 0 and self._persister is not None:
+            self._persister.submit(self._publish, step, acc["world"], acc["ranks"])
+
+    def _publish(self, step: int, world: int, ranks: dict[int, Any]) -> None:
+        assert self.persist_root is not None
+        try:
+            persist.publish(self.persist_root, self.config.job, step, world, ranks)
+            gone = persist.prune(self.persist_root, self.config.job, self.config.persist_keep)
+            if self.trace:
+                _log(self.host, f"step {step} persisted; removed from disk: {gone or 'none'}")
+        except OSError as exc:
+            _log(self.host, f"publishing step {step} on disk failed: {exc}")
+
+    def _disk_steps(self) -> list[int]:
+        if self.persist_root is None:
+            return []
+        return persist.complete_steps(self.persist_root, self.config.job)
+
+    def _from_disk(self, step: int, rank: int, meta_only: bool) -> dict[str, Any]:
+        """Rank ``rank`` of persisted ``step``: read into a temporary file the caller maps."""
+        assert self.persist_root is not None
+        m = persist.manifest(self.persist_root, self.config.job, step)
+        entry = m["ranks"].get(str(rank))
+        if entry is None:
+            raise StepNotFoundError(
+                f"step {step} on disk has no rank {rank} (world_size {m['world_size']})", step
+            )
+        nbytes = int(entry["nbytes"])
+        out = {"step": step, "meta": entry["meta"], "nbytes": nbytes, "tier": "disk"}
+        if meta_only:
+            return out
+        with self.lock:
+            self._fetch_seq += 1
+            seq = self._fetch_seq
+        path = self.dir / "tmp" / f"disk-{os.getpid()}-{seq}"
+        try:
+            tmp = shm.create(path, max(nbytes, 1), prefault_pages=False)
+        except OSError as exc:
+            msg = f"no memory to read step {step} rank {rank} from disk: {exc}"
+            raise CapacityError(msg) from exc
+        try:
+            persist.read_rank(
+                persist.step_dir(self.persist_root, self.config.job, step), entry, tmp.array
+            )
+        except StorageError:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            tmp.close()
+        self.stats["disk_reads"] += 1
+        return {**out, "path": str(path), "size": max(nbytes, 1), "temp": True}
+
+    def _await_restore(self, step: Any) -> None:
+        """A read of the step being put back from disk waits until it is protected again."""
+        with self.cond:
+            deadline = time.monotonic() + self.config.peer_timeout
+            while self.restoring is not None and step in (None, self.restoring):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(f"putting step {self.restoring} back from disk timed out")
+                self.cond.wait(min(left, 1.0))
 
     def _degraded(self, erasures: list[tuple[int, dict[int, Erasures]]]) -> int:
         """Stripes that miss a chunk, over the steps and per-slot erasures given."""
@@ -634,6 +833,9 @@ class Daemon:
                         if kind == "repair":
                             self.repairs.append(event)
                             continue
+                        if kind in ("persisted", "persist_failed"):
+                            self._persist_event(event)
+                            continue
                         old = None
                         if kind == "staged":
                             rec = self.catalog.steps.get(int(event["step"]))
@@ -683,6 +885,7 @@ class Daemon:
                 loc = self.local[rec.step]
                 if rec.state == "protected" and not loc.manifest:
                     self._write_manifest(rec, loc)
+                    self._maybe_persist(rec)
                     self.stats["steps_protected"] += 1
                     now = time.monotonic()
                     for rank in loc.buffers:
@@ -696,6 +899,10 @@ class Daemon:
                         _log(self.host, f"step {rec.step}: {phases}")
                 if rec.state == "failed":
                     self._forget(rec.step)
+            if self.restoring is not None:
+                rec_r = self.catalog.steps.get(self.restoring)
+                if rec_r is None or rec_r.state in ("protected", "failed", "lost"):
+                    self.restoring = None
             for step in [s for s in self.local if s not in self.catalog.steps]:
                 self._forget(step)  # deleted, or evicted by retention
             self.cond.notify_all()
@@ -1158,8 +1365,21 @@ class Daemon:
         daemons in the next round, and the read tried again.
         """
         rank = self._int(msg, "rank")
+        self._await_restore(msg.get("step"))
         for _attempt in range(3):
-            rec = self._resolve(msg.get("step"))
+            disk = self._disk_steps()
+            want = msg.get("step")
+            if want is None and disk:
+                with self.lock:
+                    latest = self.catalog.latest()
+                if latest is None or disk[-1] > latest:
+                    return self._from_disk(disk[-1], rank, bool(msg.get("meta_only")))
+            try:
+                rec = self._resolve(want)
+            except (StepNotFoundError, SnapshotUnrecoverableError):
+                if want in disk:  # memory cannot serve it: the persistent tier can
+                    return self._from_disk(int(want), rank, bool(msg.get("meta_only")))
+                raise
             shard = rec.shards.get(rank)
             if shard is None:
                 raise StepNotFoundError(
@@ -1272,13 +1492,26 @@ class Daemon:
                     self.pool.release(name)
 
     def _op_steps(self, msg: dict[str, Any]) -> dict[str, Any]:
+        disk = self._disk_steps()
         with self.lock:
-            return {"steps": self.catalog.protected()}
+            return {"steps": self.catalog.protected(), "disk": disk}
 
     def _op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
         step = self._int(msg, "step")
         with self.lock:
             rec = self.catalog.steps.get(step)
+            if rec is None and step in self._disk_steps():
+                assert self.persist_root is not None
+                m = persist.manifest(self.persist_root, self.config.job, step)
+                return {
+                    "step": step,
+                    "world_size": m["world_size"],
+                    "state": "persisted",
+                    "ranks_staged": sorted(int(r) for r in m["ranks"]),
+                    "hosts": sorted({e["host"] for e in m["ranks"].values()}),
+                    "data_bytes": sum(int(e["nbytes"]) for e in m["ranks"].values()),
+                    "parity_bytes": 0,
+                }
             if rec is None:
                 raise StepNotFoundError(f"step {step} is not held on job {self.config.job!r}", step)
             parity = 0
@@ -1353,6 +1586,8 @@ class Daemon:
                 "hosts_up": self.nslots,
                 "hosts_missing": len(self.missing_slots),
                 "metrics_port": self.metrics.port,
+                "persist_dir": str(self.persist_root) if self.persist_root else None,
+                "persisted": self._disk_steps(),
             }
 
     def close(self) -> None:
@@ -1363,6 +1598,8 @@ class Daemon:
         for rs in self._codecs.values():
             rs.close()
         self._crc_pool.shutdown(wait=True)
+        if self._persister is not None:
+            self._persister.shutdown(wait=True)
 
 
 def _parse_size(text: str) -> int:
@@ -1402,6 +1639,15 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     )
     p.add_argument("--metrics-addr", default="0.0.0.0")
     p.add_argument("--peer-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--persist-dir",
+        default=None,
+        help="persistent tier: protected steps also go to DIR/<job>/step-<step>/ (safetensors)",
+    )
+    p.add_argument(
+        "--persist-every", type=int, default=0, help="persist steps that are multiples of N"
+    )
+    p.add_argument("--persist-keep", type=int, default=2, help="persisted steps kept on disk")
     a = p.parse_args(list(argv) if argv is not None else None)
     vh: tuple[str, ...] | None = None
     if a.virtual_hosts is not None:
@@ -1418,6 +1664,9 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         metrics_port=a.metrics_port,
         metrics_addr=a.metrics_addr,
         peer_timeout=a.peer_timeout,
+        persist_dir=Path(a.persist_dir).resolve() if a.persist_dir else None,
+        persist_every=a.persist_every,
+        persist_keep=a.persist_keep,
     )
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "DaemonUnavailableError",
+    "PersistError",
     "SnapshotUnrecoverableError",
     "StepExistsError",
     "StepNotFoundError",
@@ -102,6 +103,10 @@ class SnapshotUnrecoverableError(StorageError):
         }
 
 
+class PersistError(StorageError):
+    """A step on the persistent tier is missing, incomplete or fails its checksum."""
+
+
 _BY_NAME: dict[str, type[StorageError]] = {
     cls.__name__: cls
     for cls in (
@@ -113,6 +118,7 @@ _BY_NAME: dict[str, type[StorageError]] = {
         UnsupportedTypeError,
         ConfigError,
         SnapshotUnrecoverableError,
+        PersistError,
     )
 }
 

@@ -91,7 +91,7 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
         "slot",
         "daemon",
         "health",
-        "protected steps",
+        "protected steps (memory)",
         "data GB",
         "parity GB",
         "shm GB / budget",
@@ -128,6 +128,10 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
     latest = [int(h["latest"]) for h in hosts if h.get("latest") is not None]
     if latest:
         lines.append(f"newest protected step: {max(latest)}")
+    disk = sorted({int(x) for h in hosts for x in h.get("persisted") or []})
+    where = next((h["persist_dir"] for h in hosts if h.get("persist_dir")), None)
+    if where:
+        lines.append(f"persistent tier {where}: steps {', '.join(map(str, disk)) or 'none yet'}")
     return "\n".join(lines)
 
 

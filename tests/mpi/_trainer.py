@@ -157,6 +157,8 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
                 }
             except storage.StepNotFoundError as exc:
                 out["errors"][f"{step}/{r}"] = {"type": "not_found", "msg": str(exc)}
+            except storage.StorageError as exc:
+                out["errors"][f"{step}/{r}"] = {"type": type(exc).__name__, "msg": str(exc)}
     if p.get("get_none"):
         latest = store.latest_step()
         got = store.get()
@@ -166,6 +168,7 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
     out["sent_delta"] = after["sent_bytes"] - before["sent_bytes"]
     out["received_delta"] = after["received_bytes"] - before["received_bytes"]
     out["info"] = after
+    out["status"] = {str(s): store.status(s).state for s in out["steps"]}
     return out
 
 
