@@ -7,7 +7,7 @@ import sys
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ecsnap bench {codec,store,scale} [options]")
+        print("usage: ecsnap bench {codec,store,persist,scale} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "codec":
@@ -18,12 +18,17 @@ def _bench(argv: list[str]) -> int:
         from bench.scale import main as scale_main
 
         return int(scale_main(rest))
+    if name == "persist":
+        from bench.persist import main as persist_main
+
+        return int(persist_main(rest))
     if name == "store":
         from bench.store import main as store_main
 
         return int(store_main(rest))
     print(
-        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store or scale", file=sys.stderr
+        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store, persist or scale",
+        file=sys.stderr,
     )
     return 2
 

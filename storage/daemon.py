@@ -72,6 +72,14 @@ TAG_DATA, TAG_PARITY, TAG_FETCH, TAG_REPAIR = 11, 12, 13, 14
 _PERSIST = -1  # the lease the persister holds on a buffer it writes (connections are > 0)
 
 
+def _lower_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (nice 19; on Linux, per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 def _log(host: str, msg: str) -> None:
     print(f"ecsnap[{host}] {msg}", file=sys.stderr, flush=True)
 
@@ -182,6 +190,7 @@ class Daemon:
             "persist_bytes": 0,  # written by this daemon
             "persist_seconds": 0,
             "restored_steps": 0,  # put back into memory from disk at start-up
+            "restore_read_seconds": 0,  # ... reading its files (then the rounds protect it)
             "disk_reads": 0,  # shards served straight from disk
         }
 
@@ -361,6 +370,7 @@ class Daemon:
         (collective). Each daemon reads the ranks whose host it is (or that fall to its slot)
         and stages them as a trainer would; the usual rounds then protect the step."""
         assert self.persist_root is not None
+        t0 = time.monotonic()
         root, job = self.persist_root, self.config.job
         if self.rank == 0:
             persist.remove_partials(root, job)
@@ -409,6 +419,7 @@ class Daemon:
                 self.announced.add(step)
             self.restoring = step
         self.stats["restored_steps"] += 1
+        self.stats["restore_read_seconds"] = time.monotonic() - t0
         _log(self.host, f"putting step {step} back from {root} ({len(taken)} rank(s) here)")
 
     def _maybe_persist(self, rec: StepRec) -> None:
@@ -431,6 +442,7 @@ class Daemon:
     ) -> None:
         """Write this host's shards of ``step`` to the partial directory (persister thread)."""
         assert self.persist_root is not None
+        _lower_priority()
         t0 = time.monotonic()
         event: dict[str, Any] = {"e": "persisted", "step": step, "world_size": world}
         try:
@@ -440,7 +452,9 @@ class Daemon:
             written = 0
             for rank, name, meta, nbytes in mine:
                 data = self.pool.get(name).file.array[:nbytes]
-                entry = persist.write_rank(partial / f"rank-{rank}.safetensors", meta, data)
+                entry = persist.write_rank(
+                    partial / f"rank-{rank}.safetensors", meta, data, self._yield_to_puts
+                )
                 entry.update(meta=meta, nbytes=nbytes, host=self.host)
                 entries[str(rank)] = entry
                 written += int(entry["bytes"])
@@ -454,6 +468,16 @@ class Daemon:
                 self._unlease(name, _PERSIST)
             self.events.append(event)
             self.wake.set()
+
+    def _yield_to_puts(self) -> None:
+        """Hold the disk writer while a trainer on this host is staging a put (at most 2 s at a
+        time, so a job that puts back to back still gets its steps written between puts)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.pending:
+                    return
+            time.sleep(0.002)
 
     def _persist_event(self, event: dict[str, Any]) -> None:
         """Gather persisted ranks; once all are on disk the leader publishes (caller holds lock)."""

@@ -9,8 +9,11 @@ into ``.partial-step-<step>/`` and the leader renames it once every rank's file 
 Each rank's entry in the manifest holds the file's CRC-32 and size, the host that wrote it, and
 the shard's structure (the same JSON skeleton ecsnap keeps in memory: containers, numbers,
 strings and where each tensor goes), so ``safetensors.torch.load_file`` plus the manifest give
-the state dict back without ecsnap. Nothing is pickled. Not compressed: training state (floats
-with noisy low bits) shrinks by a few percent under DEFLATE at best, not worth a CPU core.
+the state dict back without ecsnap. Nothing is pickled.
+
+Not compressed, because it does not pay: igzip (``isal``) level 1 on weight-like data (normal,
+scale 0.02) measured 0.92 of the size for fp32 and 0.78 for bf16 at 0.3-0.6 GB/s on one core,
+slower than the disk takes the uncompressed bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +149,12 @@ def _header(meta: dict[str, Any], names: list[str]) -> tuple[bytes, list[Leaf]]:
     return struct.pack("<Q", len(raw)) + raw, leaves
 
 
-def write_rank(path: Path, meta: dict[str, Any], data: Any) -> dict[str, Any]:
+def write_rank(
+    path: Path, meta: dict[str, Any], data: Any, pause: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """Write one rank's shard (``data``: its bytes as laid out in memory) as a safetensors file;
-    fsync it. Returns the manifest entry's file part: name, bytes, CRC-32."""
+    fsync it. Returns the manifest entry's file part: name, bytes, CRC-32. ``pause`` runs before
+    each 16 MiB piece (the daemon holds the writer there while a trainer is staging a put)."""
     names = leaf_names(meta["skeleton"], len(meta["leaves"]))
     head, leaves = _header(meta, names)
     crc = checksum(head)
@@ -158,6 +165,8 @@ def write_rank(path: Path, meta: dict[str, Any], data: Any) -> dict[str, Any]:
         _write_all(fd, head)
         for leaf in leaves:
             for o in range(leaf.offset, leaf.offset + leaf.nbytes, _IO):
+                if pause is not None:
+                    pause()
                 piece = view[o : min(o + _IO, leaf.offset + leaf.nbytes)]
                 crc = checksum(piece, crc)
                 _write_all(fd, piece)
