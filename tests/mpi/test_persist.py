@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from storage.status import gather, render
+
 from ._cluster import Cluster
 from ._states import make_state
 
@@ -80,6 +82,8 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
             assert r["status"] == {"4": "persisted", "6": "protected"}, r["status"]
         assert sum(r["info"]["stats"]["restored_steps"] for r in res) == 4  # once per daemon
         assert sum(r["info"]["stats"]["disk_reads"] for r in res) == 4 * 4  # step 4: from disk
+        text = render(c.job, gather(c.job, shm_root))
+        assert f"persistent tier {disk}: steps 4, 6" in text, text
         # a corrupted file on disk is caught by its checksum, named, and nothing else is lost
         f4 = disk / c.job / "step-4" / "rank-2.safetensors"
         raw = bytearray(f4.read_bytes())
