@@ -200,6 +200,8 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
         if workers is not None:
             workers.close()
         _stop(daemons)
+        if os.environ.get("ECSNAP_TRACE"):
+            print((root / "daemons.log").read_text(), file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     rows = []
