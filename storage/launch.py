@@ -9,6 +9,7 @@ logged its ``ready:`` line.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def start(
     extra: Sequence[str] = (),
     timeout: float = 120.0,
     cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     """Start the daemons, logging to ``log`` (appended), and wait until all are ready."""
     log.touch()
@@ -81,6 +83,7 @@ def start(
             stdin=subprocess.DEVNULL,
             text=True,
             start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
     deadline = time.monotonic() + timeout
     while True:

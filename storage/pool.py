@@ -8,13 +8,14 @@ budget; free files are dropped before a request is refused.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import CapacityError
-from transport import shm
+from transport import faults, shm
 
 __all__ = ["Buffer", "Pool"]
 
@@ -78,6 +79,8 @@ class Pool:
             self._seq += 1
             name = f"{prefix}{os.getpid()}-{self._seq}"
         try:
+            if faults.ACTIVE and faults.hit("alloc", self.dir.name) == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
             f = shm.create(self.path(name), need)
         except OSError as exc:
             try:

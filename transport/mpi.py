@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from transport import faults
 from transport.errors import PeerTimeoutError
 
 __all__ = ["Counters", "Links", "pieces"]
@@ -58,6 +59,7 @@ class Links:
         self.piece_bytes = piece_bytes
         self.poll = poll
         self.counters = Counters()
+        self.host = ""  # this daemon's host name, for fault injection
 
     def wait(
         self, requests: Sequence[Any], what: str, timeout: float | None = None, busy: bool = False
@@ -97,6 +99,8 @@ class Links:
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
+        if faults.ACTIVE and faults.hit("send", self.host, dest) == "drop":
+            return []  # injected: the peer waits for a message that never comes
         view = _bytes(buf)
         self.counters.sent += view.nbytes
         return [
