@@ -436,7 +436,7 @@ def _result(
     }
 
 
-def run_matrix(trials: int, seed: int, only: list[str] | None = None) -> int:
+def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bool = True) -> int:
     rng = random.Random(seed)
     root = Path("/dev/shm") / f"ecsnap-faults-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o700)
@@ -481,7 +481,6 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None) -> int:
             rows.append((fault, *summary.values()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    path = rec.write()
     print(
         table(
             rows,
@@ -497,7 +496,8 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None) -> int:
             ],
         )
     )
-    print(f"\nwrote {len(rec.records)} records to {path}")
+    if record:
+        print(f"\nwrote {len(rec.records)} records to {rec.write()}")
     return 1 if failed else 0
 
 
@@ -513,6 +513,7 @@ def run_soak(minutes: float, seed: int) -> int:
     puts = kills = wipes = rebuilds = checked = 0
     deadline = time.monotonic() + minutes * 60
     step = 0
+    plan: list[str] = []
     t_start = time.monotonic()
     try:
         if not job.start():
@@ -526,7 +527,10 @@ def run_soak(minutes: float, seed: int) -> int:
             held = set(job.stores[0].steps())  # retention's choice, before the fault strikes
             job.protected &= held
             job.attempted = {s for s in job.attempted if s in held or s > max(held, default=0)}
-            action = rng.choice(["kill-daemon", "kill-daemon", "wipe-host", "kill-job"])
+            if not plan:  # every kind of fault in each round of four, in a random order
+                plan = ["kill-daemon", "kill-daemon", "wipe-host", "kill-job"]
+                rng.shuffle(plan)
+            action = plan.pop()
             if action == "kill-daemon":
                 pids = _job_pids(job.job, daemons_only=True)
                 if pids:

@@ -8,9 +8,15 @@ import random
 import shutil
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import storage
 from bench.faults import HOSTS, KEEP, Job, same, state_of
@@ -102,10 +108,15 @@ class StoreMachine(RuleBasedStateMachine):
 
 def test_store_against_model(shm_root: Path) -> None:
     StoreMachine.root = shm_root
-    run = settings(
-        max_examples=3,
-        stateful_step_count=12,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )(StoreMachine.TestCase)
-    run().runTest()
+    run_state_machine_as_test(
+        StoreMachine,
+        settings=settings(
+            max_examples=3,
+            stateful_step_count=12,
+            deadline=None,
+            database=None,
+            # no shrinking: replaying against a real system is slow and its timing is not data
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )

@@ -1,0 +1,118 @@
+"""Bad input, each a named error and nothing lost: odd names, a stale socket from a dead daemon,
+relaunching with another k/m or chunk size than the files were written with, two daemons
+claiming one host, a client of another job, malformed and truncated files under the root."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import storage
+from storage import launch
+from transport import control
+
+from ._cluster import REPO, Cluster
+
+
+def _serve(root: Path, job: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a storage job that is expected to refuse to start; return how it ended."""
+    cmd = launch.serve_command(4, job, root, extra=["--peer-timeout", "20", *args])
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_odd_names_are_refused_by_name(shm_root: Path) -> None:
+    for bad in ("a/b", "../up", "x" * 65, "sp ace", ".hidden", "-dash"):
+        with pytest.raises(storage.ConfigError, match="not allowed"):
+            storage.connect(bad, rank=0, world_size=1, host="h", root=shm_root, timeout=0.2)
+        with pytest.raises(storage.ConfigError, match="not allowed"):
+            storage.connect("job", rank=0, world_size=1, host=bad, root=shm_root)
+    for rank, world in ((-1, 2), (2, 2), (0, 0)):
+        with pytest.raises(storage.StorageError, match="rank"):
+            storage.connect("job", rank=rank, world_size=world, host="h", root=shm_root)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "storage.cli",
+            "serve",
+            "--job",
+            "no/slash",
+            "--root",
+            str(shm_root),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "not allowed" in out.stderr, out.stderr
+    out = _serve(shm_root, "vh", "--virtual-hosts", "host0,host 1,host2,host3")
+    assert out.returncode != 0 and "not allowed" in out.stderr, out.stderr
+
+
+def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=4, k=3, m=1)
+    job = c.job
+    try:
+        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        # a client of another job, at this job's socket: refused by name
+        with storage.connect(job, rank=0, world_size=4, host="host0", root=shm_root) as ok:
+            assert ok.steps() == [1, 2]
+        sock = control.connect(shm_root / job / "host0" / "ctl.sock")
+        reply = sock.request({"op": "hello", "job": "someone-else", "rank": 0})
+        assert reply is not None and not reply["ok"] and "serves job" in reply["message"]
+        sock.close()
+    finally:
+        os.killpg(c.proc.pid, signal.SIGKILL)  # the sockets stay behind, stale
+        c.proc.wait()
+    # a stale socket: nobody listens; a client says so within its timeout
+    assert (shm_root / job / "host0" / "ctl.sock").exists()
+    with pytest.raises(storage.DaemonUnavailableError, match="no ecsnap daemon"):
+        storage.connect(job, rank=0, world_size=4, host="host0", root=shm_root, timeout=0.5)
+    # relaunching with other parameters than the files were written with: refused, files kept
+    for args in (
+        ["--virtual-hosts", "--k", "2", "--m", "2"],
+        ["--virtual-hosts", "--k", "3", "--m", "1", "--chunk-bytes", "65536"],
+    ):
+        out = _serve(shm_root, job, *args)
+        assert out.returncode != 0, out.stderr
+        assert "Relaunch with the same arguments" in out.stderr, out.stderr
+    # two daemons claiming one host directory: named twice, or one machine running two
+    twice = "host0,host1,host1,host3"
+    out = _serve(shm_root, job, "--virtual-hosts", twice, "--k", "3", "--m", "1")
+    assert out.returncode != 0 and "names a host twice: " + twice in out.stderr, out.stderr
+    same_machine = [
+        launch.mpiexec(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "storage.cli",
+        "serve",
+        "--job",
+        job,
+        "--root",
+        str(shm_root),
+        "--peer-timeout",
+        "20",
+    ]
+    out = subprocess.run(same_machine, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "two daemons claim host" in out.stderr, out.stderr
+    # junk under the root: a malformed manifest, a stray truncated data file, garbage health
+    host1 = shm_root / job / "host1"
+    (host1 / "steps" / "9.json").write_text("{not json")
+    (host1 / "steps" / "notes.txt").write_text("hello")
+    (host1 / "data" / "r9-123-4").write_bytes(b"\0" * 100)
+    (host1 / "health.json").write_text("garbage")
+    c = Cluster(shm_root, hosts=4, k=3, m=1, job=job)
+    try:
+        res = c.trainers("check", world=4, per_host=1, params={"steps": [1, 2]})
+        assert all(r["errors"] == {} and r["steps"] == [1, 2] for r in res), res
+        assert not (host1 / "data" / "r9-123-4").exists()  # not state: swept
+    finally:
+        assert c.stop() == 0

@@ -1,0 +1,13 @@
+"""The fault matrix in short mode: every fault once, randomized, the invariants checked
+(``ecsnap bench faults --trials N`` runs it in full)."""
+
+from __future__ import annotations
+
+import os
+
+from bench.faults import run_matrix
+
+
+def test_fault_matrix_short() -> None:
+    seed = int(os.environ.get("ECSNAP_FAULT_SEED", "1"))
+    assert run_matrix(trials=1, seed=seed, record=False) == 0
