@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -145,3 +146,11 @@ def size_label(nbytes: int) -> str:
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return str(nbytes)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, a CI cancel) into SystemExit so ``finally`` blocks stop the
+    daemons a benchmark started; Python's default would kill it on the spot and leak them."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, table
+from bench._common import Recorder, exit_on_sigterm, table
 
 HOSTS = 4
 PEER_TIMEOUT = 6.0  # seconds: a dead peer ends the job this fast
-CLIENT_TIMEOUT = 15.0
+CLIENT_TIMEOUT = 5.0
 HANG = PEER_TIMEOUT + CLIENT_TIMEOUT + 30.0  # no single call may take longer than this
 LOGS = Path(tempfile.gettempdir()) / "ecsnap-fault-logs"
 KEEP = 4  # retention: a protected step may be evicted once KEEP newer ones are protected
@@ -597,6 +597,7 @@ def run_soak(minutes: float, seed: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(
         prog="ecsnap bench faults",
         description=__doc__,
@@ -610,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def soak_main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     p = argparse.ArgumentParser(prog="ecsnap bench soak", description=run_soak.__doc__)
     p.add_argument("--minutes", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, summarize, table
+from bench._common import Recorder, exit_on_sigterm, summarize, table
 from bench.store import HOSTS, Workers, _nbytes, make_state
 
 DISK = Path(os.environ.get("ECSNAP_BENCH_DISK", tempfile.gettempdir()))
@@ -264,6 +264,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(
         prog="ecsnap bench persist",
         description=__doc__,

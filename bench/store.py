@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, summarize, table
+from bench._common import Recorder, exit_on_sigterm, summarize, table
 
 HOSTS = 4
 
@@ -441,6 +441,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(
         prog="ecsnap bench store",
         description=__doc__,

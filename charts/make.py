@@ -22,11 +22,15 @@ HERE = Path(__file__).parent
 RESULTS = HERE.parent / "bench" / "results"
 
 
-def newest_run(name: str) -> list[dict[str, Any]]:
+def newest_run(name: str, full_only: bool = False) -> list[dict[str, Any]]:
+    """The records of the newest run in ``name``.jsonl (with ``full_only``: of the newest run
+    that was not ``--quick``, if there is one)."""
     path = RESULTS / f"{name}.jsonl"
     if not path.exists():
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if full_only and any(not r.get("params", {}).get("quick") for r in records):
+        records = [r for r in records if not r.get("params", {}).get("quick")]
     if not records:
         return []
     last = records[-1]["run_id"]
@@ -119,7 +123,124 @@ def scale_chart() -> Path | None:
     return out
 
 
-CHARTS = {"codec": codec_chart, "scale": scale_chart}
+def _time_bars(name: str, title: str, full_only: bool = True) -> Path | None:
+    """Median seconds with p10-p90 whiskers of every timed contender of the newest run."""
+    runs = newest_run(name, full_only)
+    records = [r for r in runs if r.get("kind") == "time"]
+    if not records:
+        return None
+    records.sort(key=lambda r: r["median_s"])
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(records) + 1.5))
+    ys = range(len(records))
+    med = [r["median_s"] for r in records]
+    err = [
+        [r["median_s"] - r["p10_s"] for r in records],
+        [r["p90_s"] - r["median_s"] for r in records],
+    ]
+    colors = [
+        "tab:green"
+        if "ecsnap" in r["name"]
+        or "persist" in r["name"]
+        or "restore" in r["name"]
+        or "rebuild" in r["name"]
+        else "tab:gray"
+        for r in records
+    ]
+    ax.barh(list(ys), med, xerr=err, capsize=2, color=colors)
+    ax.set_yticks(list(ys), [r["name"] for r in records], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (median, p10-p90), log scale")
+    ax.grid(axis="x", alpha=0.3)
+    params = records[0]["params"]
+    size = params.get("state_bytes", 0) / 1e9
+    ax.set_title(
+        f"{title}: {size:.2f} GB state, {params.get('hosts', '?')} hosts "
+        f"(commit {records[0]['commit']}; green: ecsnap)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = HERE / f"{name}.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def store_chart() -> Path | None:
+    return _time_bars("store", "ecsnap bench store")
+
+
+def persist_chart() -> Path | None:
+    return _time_bars("persist", "ecsnap bench persist")
+
+
+def train_chart() -> Path | None:
+    records = [r for r in newest_run("train", True) if r.get("kind") == "overhead"]
+    if not records:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["name"] for r in records]
+    med = [r["median"] for r in records]
+    err = [
+        [r["median"] - min(r["samples"]) for r in records],
+        [max(r["samples"]) - r["median"] for r in records],
+    ]
+    colors = ["tab:green" if n.startswith("ecsnap") else "tab:gray" for n in names]
+    ax.bar(names, med, yerr=err, capsize=4, color=colors)
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_ylabel("step time overhead, % (median, min-max over repeats)")
+    p = records[0]["params"]
+    ax.set_title(
+        f"training overhead of snapshots every N steps: {p['world']} ranks, "
+        f"{p['model_size']} GPT (commit {records[0]['commit']})",
+        fontsize=10,
+    )
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    out = HERE / "train.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def faults_chart() -> Path | None:
+    records = [r for r in newest_run("faults") if r.get("kind") == "fault"]
+    if not records:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 4))
+    names = [r["name"] for r in records]
+    x = range(len(names))
+    ax.bar([i - 0.3 for i in x], [r["trials"] for r in records], 0.3, label="trials")
+    ax.bar(list(x), [r["faults_fired"] for r in records], 0.3, label="injected faults fired")
+    ax.bar(
+        [i + 0.3 for i in x],
+        [r["lost"] for r in records],
+        0.3,
+        label="violations (lost)",
+        color="tab:red",
+    )
+    ax.set_xticks(list(x), names, rotation=40, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(
+        f"fault matrix (commit {records[0]['commit']}): every protected step read back "
+        "bit-exact after every fault",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = HERE / "faults.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+CHARTS = {
+    "codec": codec_chart,
+    "scale": scale_chart,
+    "store": store_chart,
+    "persist": persist_chart,
+    "train": train_chart,
+    "faults": faults_chart,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

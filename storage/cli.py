@@ -7,7 +7,7 @@ import sys
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ecsnap bench {codec,store,persist,scale,faults,soak} [options]")
+        print("usage: ecsnap bench {codec,store,persist,train,scale,faults,soak} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "codec":
@@ -18,6 +18,10 @@ def _bench(argv: list[str]) -> int:
         from bench.scale import main as scale_main
 
         return int(scale_main(rest))
+    if name == "train":
+        from bench.train import main as train_main
+
+        return int(train_main(rest))
     if name == "faults":
         from bench.faults import main as faults_main
 
@@ -35,8 +39,8 @@ def _bench(argv: list[str]) -> int:
 
         return int(store_main(rest))
     print(
-        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store, persist, scale, "
-        "faults or soak",
+        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store, persist, "
+        "train, scale, faults or soak",
         file=sys.stderr,
     )
     return 2

@@ -1,0 +1,281 @@
+"""``ecsnap bench train``: what snapshots cost a real training loop, ecsnap against DCP async_save.
+
+The demo's GPT (data parallel over a gloo group of 4 CPU ranks, ZeRO-sharded AdamW, stateful
+dataloader) trains for a fixed number of steps in each mode, the modes interleaved per repeat:
+
+- ``none``: no snapshots (the baseline of this repeat);
+- ``ecsnap/N``: ``store.put`` of the full training state every N steps (1 and 10), waiting only
+  for the previous put's copy before ``optimizer.step()``;
+- ``dcp/N``: ``dcp.async_save`` of the same state every N steps to /dev/shm, waiting for the
+  previous save to finish before the next one (as DCP requires).
+
+Overhead of a mode = its mean step time / the same repeat's ``none`` mean step time - 1 (mean,
+not median: the snapshot steps are the cost). Results: JSON lines in ``bench/results/train.jsonl``
+with medians and p10/p90 over repeats; the ratio of ecsnap's overhead to DCP's at each frequency
+(target: <= 0.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from bench._common import Recorder, exit_on_sigterm, table
+
+WORLD = 4
+REPO = Path(__file__).resolve().parent.parent
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from bench.demo_train import GPT, MODEL_SIZES, Windows, _grad, corpus
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # DCP's background save runs collectives: on its own group, never the training one's
+    ckpt_group = dist.new_group(backend="gloo")
+    size = MODEL_SIZES[cfg["model_size"]]
+    torch.manual_seed(0)
+    model = GPT(size["d"], size["layers"], size["heads"], size["seq"])
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
+    data = Windows(corpus(), size["seq"], rank, world)
+    batches = [data[i * size["batch"] + j] for i in range(8) for j in range(size["batch"])]
+    kind, every = cfg["mode"].split("/") if "/" in cfg["mode"] else (cfg["mode"], "0")
+    every_n = int(every)
+    store = None
+    if kind == "ecsnap":
+        import storage
+
+        store = storage.connect(cfg["job"], rank=rank, world_size=world, root=cfg["root"])
+    handle: Any = None
+    future: Any = None
+    params = list(model.parameters())
+    times = []
+    for step in range(cfg["steps"]):
+        t0 = time.perf_counter()
+        i = step % 8
+        batch = torch.stack(batches[i * size["batch"] : (i + 1) * size["batch"]])
+        logits = model(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+        loss.backward()  # type: ignore[no-untyped-call]
+        grads = torch.cat([_grad(p).reshape(-1) for p in params])
+        dist.all_reduce(grads)
+        grads /= world
+        offset = 0
+        for p in params:
+            _grad(p).copy_(grads[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        if handle is not None:
+            handle.staged.result()  # the last snapshot's copy must be done before the update
+        zero.step()
+        zero.zero_grad(set_to_none=False)
+        if every_n and step % every_n == 0:
+            state = {
+                "model": model.state_dict(),
+                "optim": zero.optim.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": step,
+            }
+            if store is not None:
+                handle = store.put(cfg["step0"] + step, state)
+            else:
+                from torch.distributed.checkpoint.state_dict_saver import async_save
+
+                if future is not None:
+                    future.result()  # DCP: one async save in flight at a time
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    future = async_save(
+                        {f"rank{rank}": state},  # every rank writes its own (no dedup)
+                        checkpoint_id=str(Path(cfg["dcp_dir"]) / f"step-{step}"),
+                        process_group=ckpt_group,
+                    )
+        times.append(time.perf_counter() - t0)
+    if future is not None:
+        future.result()
+    if handle is not None:
+        handle.wait(120)
+    if store is not None:
+        store.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    print(json.dumps({"times": times, "model_bytes": nbytes}), flush=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(mode: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    port = _port()
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "ECSNAP_HOST": f"host{rank}",
+        }
+        spec = json.dumps({**cfg, "mode": mode})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.train", "--worker", spec],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"training rank failed ({p.returncode}) in mode {mode}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
+    from bench._common import summarize
+    from storage import launch
+
+    repeats = repeats or (2 if quick else 5)
+    steps = steps or (20 if quick else 40)
+    warmup = 5
+    model_size = "small" if quick else "medium"
+    modes = ["none", "ecsnap/1", "dcp/1", "ecsnap/10", "dcp/10"]
+    root = Path("/dev/shm") / f"ecsnap-train-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    job = "train"
+    rec = Recorder(
+        "train",
+        {
+            "quick": quick,
+            "world": WORLD,
+            "hosts": WORLD,
+            "k": 3,
+            "m": 1,
+            "steps": steps,
+            "warmup": warmup,
+            "repeats": repeats,
+            "model_size": model_size,
+        },
+    )
+    daemons = launch.start(WORLD, job, root, root / "daemons.log", k=3, m=1)
+    overhead: dict[str, list[float]] = {m: [] for m in modes if m != "none"}
+    step_s: dict[str, list[float]] = {m: [] for m in modes}
+    model_bytes = 0
+    try:
+        step0 = 0
+        for r in range(repeats):
+            means = {}
+            for mode in modes:
+                dcp_dir = root / f"dcp-{r}-{mode.replace('/', '-')}"
+                cfg = {
+                    "job": job,
+                    "root": str(root),
+                    "steps": steps,
+                    "step0": step0,
+                    "model_size": model_size,
+                    "dcp_dir": str(dcp_dir),
+                }
+                step0 += steps
+                res = _run(mode, cfg)
+                shutil.rmtree(dcp_dir, ignore_errors=True)
+                model_bytes = res[0]["model_bytes"]
+                # the job's step time: the slowest rank's mean after warm-up
+                means[mode] = max(statistics.fmean(x["times"][warmup:]) for x in res)
+                step_s[mode].append(means[mode])
+            for mode in overhead:
+                overhead[mode].append(100.0 * (means[mode] / means["none"] - 1.0))
+            print(
+                f"repeat {r + 1}/{repeats}: "
+                + ", ".join(f"{m} {means[m] * 1e3:.1f}ms" for m in modes),
+                file=sys.stderr,
+            )
+    finally:
+        if daemons.poll() is None:
+            os.killpg(daemons.pid, 15)
+        daemons.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for mode, s in step_s.items():
+        stats = summarize(s)
+        rec.add(kind="time", name=f"step_{mode}", unit="s", model_bytes=model_bytes, **stats)
+    for mode, s in overhead.items():
+        q = sorted(s)
+        med = statistics.median(q)
+        rec.add(
+            kind="overhead",
+            name=mode,
+            unit="percent",
+            median=med,
+            p10=q[0] if len(q) < 3 else statistics.quantiles(q, n=10, method="inclusive")[0],
+            p90=q[-1] if len(q) < 3 else statistics.quantiles(q, n=10, method="inclusive")[-1],
+            samples=q,
+        )
+        rows.append((mode, med, min(q), max(q)))
+    ratios = []
+    for n in ("1", "10"):
+        e, d = statistics.median(overhead[f"ecsnap/{n}"]), statistics.median(overhead[f"dcp/{n}"])
+        value = e / d if d > 0 else float("inf")
+        met = value <= 0.25
+        rec.add(
+            kind="ratio",
+            name=f"ecsnap overhead / DCP async_save overhead, every {n}",
+            value=value,
+            target="<= 0.25",
+            met=met,
+            unit="ratio of median overheads",
+        )
+        ratios.append((f"every {n} step(s)", value, "<= 0.25", "yes" if met else "NO"))
+    path = rec.write()
+    print(table(rows, ["mode", "overhead % (median)", "min", "max"]))
+    print()
+    print(table(ratios, ["ecsnap / DCP overhead", "value", "target", "met"]))
+    print(f"\nwrote {len(rec.records)} records to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()
+    p = argparse.ArgumentParser(
+        prog="ecsnap bench train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="small model, 20 steps, 2 repeats")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(json.loads(a.worker))
+        return 0
+    run(quick=a.quick, repeats=a.repeats, steps=a.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
