@@ -190,6 +190,7 @@ class Daemon:
         )
         self.persist_acc: dict[int, dict[str, Any]] = {}
         self.restoring: int | None = None  # a step being put back from disk at start-up
+        self.rounds = 0  # rounds completed (every daemon finished the previous one's work)
         self.t_alloc: dict[tuple[int, int], float] = {}  # (step, rank) -> when the put began
         self.metrics = Metrics(self)
         self.stats: dict[str, float] = {
@@ -874,6 +875,7 @@ class Daemon:
             )
             busy = any(p["ev"] for p in everyone)
             with self.cond:
+                self.rounds += 1
                 for r, payload in enumerate(everyone):
                     slot = self.slot_of_rank[r]
                     for event in payload["ev"]:
@@ -1376,6 +1378,7 @@ class Daemon:
                 if (rec is not None and rec.state == "protected") or (
                     step in self.catalog.recently_protected and step not in self.announced
                 ):
+                    self._after_next_round()  # every host has written its manifest
                     return {"step": step}
                 if step in self._failed:
                     raise CapacityError(f"step {step} failed: {self._failed[step]}")
@@ -1609,7 +1612,27 @@ class Daemon:
             deadline = time.monotonic() + self.config.peer_timeout
             while step in self.catalog.steps and time.monotonic() < deadline:
                 self.cond.wait(0.5)
+            if step in self.catalog.steps:
+                raise StorageError(f"deleting step {step} timed out")
+            self._after_next_round()  # every host has removed its manifest: a restart agrees
         return {}
+
+    def _after_next_round(self) -> None:
+        """Wait (holding ``self.cond``) until the round after the current one completes.
+
+        Every daemon applies a round's events and then does that round's local work (manifests
+        written or removed) before it joins the next round, so when the next one completes, a
+        change seen now is on every host's files: acknowledging protection or deletion only then
+        means a storage job killed right after cannot bring back a deleted step or lose one its
+        trainers were told is protected."""
+        target = self.rounds + 1
+        self.wake.set()
+        deadline = time.monotonic() + self.config.peer_timeout
+        while self.rounds < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StorageError("the storage job did not complete a round in time")
+            self.cond.wait(min(left, 0.05))
 
     def _op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Counters for benchmarks and status: bytes held and moved, health, repairs."""

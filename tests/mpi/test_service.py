@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +114,34 @@ def test_guarded_training_loop_snapshots_the_right_parameters(shm_root: Path) ->
     finally:
         assert cluster.stop() == 0
     assert all(r["checked"] == [3, 4] for r in results)
+
+
+def test_delete_and_protection_are_durable_when_acknowledged(shm_root: Path) -> None:
+    """Told "protected" or "deleted", a trainer can rely on it even if every daemon is SIGKILLed
+    at that very moment: the relaunched job agrees (found by the stateful test: a deleted step
+    came back after a restart)."""
+    from bench.faults import state_of
+
+    c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"])
+    try:
+        for round_ in range(3):
+            stores = [
+                storage.connect(c.job, rank=r, world_size=4, host=f"host{r}", root=shm_root)
+                for r in range(4)
+            ]
+            base = 10 * round_
+            for step in (base + 1, base + 2):
+                hs = [s.put(step, state_of(r, step)) for r, s in enumerate(stores)]
+                for h in hs:
+                    h.wait(60)
+            stores[0].delete(base + 1)
+            os.killpg(c.proc.pid, signal.SIGKILL)  # the moment both were acknowledged
+            c.proc.wait()
+            for s in stores:
+                s.close()
+            c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"], job=c.job)
+            with storage.connect(c.job, rank=0, world_size=4, host="host0", root=shm_root) as s:
+                held = s.steps()
+            assert base + 1 not in held and base + 2 in held, (round_, held)
+    finally:
+        assert c.stop() == 0
