@@ -18,6 +18,7 @@ manifest, a truncated chunk file. Results: JSON lines in ``bench/results/faults.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import os
 import random
 import shutil
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, exit_on_sigterm, table
+from bench._common import RESULTS, Recorder, exit_on_sigterm, table
 
 HOSTS = 4
 PEER_TIMEOUT = 6.0  # seconds: a dead peer ends the job this fast
@@ -191,8 +192,16 @@ class Job:
         try:
             for r, s in enumerate(self.stores):
                 handles.append(timed(partial(s.put, step, state_of(r, step)), "put", problems))
-            for h in handles:
-                timed(partial(h.wait, PEER_TIMEOUT + CLIENT_TIMEOUT), "wait", problems)
+            # all at once, and the first failure ends the wait (a rank whose daemon died fails
+            # fast; the others' step can then never complete)
+            futures = [h.protected for h in handles]
+            done, pending = timed(
+                partial(cf.wait, futures, PEER_TIMEOUT + CLIENT_TIMEOUT, cf.FIRST_EXCEPTION),
+                "wait",
+                problems,
+            )
+            if pending or any(f.exception() is not None for f in done):
+                return False
         except TimeoutError:
             return False
         except Exception:
@@ -489,6 +498,7 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bo
                 "rebuilds": sum(o.get("rebuilds", 0) for o in outcomes),
                 "lost": lost,
             }
+            rec.records = []  # one line per fault, written as it completes
             rec.add(
                 kind="fault",
                 name=fault,
@@ -497,6 +507,8 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bo
                 problems=[p for o in outcomes for p in o["problems"]][:20],
             )
             rows.append((fault, *summary.values()))
+            if record:
+                rec.write()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
@@ -515,7 +527,7 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bo
         )
     )
     if record:
-        print(f"\nwrote {len(rec.records)} records to {rec.write()}")
+        print(f"\nwrote {len(rows)} records to {RESULTS / 'faults.jsonl'}")
     return 1 if failed else 0
 
 
