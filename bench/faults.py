@@ -366,8 +366,8 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
                 return _result(fault, job, problems, {}, km)
             job.connect()
             for step in range(1, steps + 1):
-                if not job.put(step, problems) and job.died():
-                    break
+                if not job.put(step, problems) and kind in ("kill", "drop"):
+                    break  # the job is going down: its daemons end it within the peer timeout
             if kind in ("delay", "enospc"):
                 for step in range(steps + 1, steps + 3):  # the job goes on after the fault
                     if not job.put(step, problems):
