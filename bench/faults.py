@@ -126,6 +126,7 @@ class Job:
     protected: set[int] = field(default_factory=set)
     attempted: set[int] = field(default_factory=set)
     fired: int = 0
+    _seen: int = 0  # how much of the (appended) log earlier launches wrote
 
     @property
     def log(self) -> Path:
@@ -221,7 +222,9 @@ class Job:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self.fired += self.log.read_text().count("injected fault")
+        text = self.log.read_text()
+        self.fired += text.count("injected fault", self._seen)  # this launch's lines only
+        self._seen = len(text)
         self.proc = None
 
     def died(self) -> bool:
