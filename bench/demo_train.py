@@ -20,6 +20,7 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,18 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
+def average_gradients(params: Sequence[torch.Tensor], world: int) -> None:
+    """Average gradients over the group with one flat all-reduce, in a fixed order."""
+    grads = torch.cat([_grad(p).reshape(-1) for p in params])
+    dist.all_reduce(grads)
+    grads /= world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        _grad(p).copy_(grads[offset : offset + n].view_as(p))
+        offset += n
+
+
 def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -192,14 +205,7 @@ def main() -> None:
         logits = model(batch[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
         loss.backward()  # type: ignore[no-untyped-call]
-        grads = torch.cat([_grad(p).reshape(-1) for p in flat_params])
-        dist.all_reduce(grads)
-        grads /= world
-        offset = 0
-        for p in flat_params:
-            n = p.numel()
-            _grad(p).copy_(grads[offset : offset + n].view_as(p))
-            offset += n
+        average_gradients(flat_params, world)
         t_wait = 0.0
         if handle is not None:
             t0 = time.perf_counter()

@@ -43,7 +43,7 @@ def worker(cfg: dict[str, Any]) -> None:
     from torch import nn
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from bench.demo_train import GPT, MODEL_SIZES, Windows, _grad, corpus
+    from bench.demo_train import GPT, MODEL_SIZES, Windows, average_gradients, corpus
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -75,13 +75,7 @@ def worker(cfg: dict[str, Any]) -> None:
         logits = model(batch[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
         loss.backward()  # type: ignore[no-untyped-call]
-        grads = torch.cat([_grad(p).reshape(-1) for p in params])
-        dist.all_reduce(grads)
-        grads /= world
-        offset = 0
-        for p in params:
-            _grad(p).copy_(grads[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        average_gradients(params, world)
         if handle is not None:
             handle.staged.result()  # the last snapshot's copy must be done before the update
         zero.step()

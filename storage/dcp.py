@@ -77,6 +77,13 @@ def _step_of(checkpoint_id: Any) -> int | None:
     return step
 
 
+def _is_step(checkpoint_id: Any) -> bool:
+    try:
+        return _step_of(checkpoint_id) is not None
+    except StorageError:
+        return False
+
+
 def _name(value: Any) -> str:
     return str(value).removeprefix("torch.")
 
@@ -260,10 +267,7 @@ class SnapshotWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        try:
-            return _step_of(checkpoint_id) is not None
-        except StorageError:
-            return False
+        return _is_step(checkpoint_id)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -419,7 +423,4 @@ class SnapshotReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        try:
-            return _step_of(checkpoint_id) is not None
-        except StorageError:
-            return False
+        return _is_step(checkpoint_id)
