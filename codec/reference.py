@@ -2,8 +2,9 @@
 
 GF(2^8) with the polynomial x^8 + x^4 + x^3 + x^2 + 1 (0x11d), as ISA-L. The generator is the
 identity on top of the Cauchy rows ``1 / (i ^ j)`` for i in k..k+m-1, j in 0..k-1, which is what
-ISA-L's ``gf_gen_cauchy1_matrix`` builds. Decoding inverts a k x k submatrix by Gauss–Jordan
-elimination. 0.1–0.4 GB/s: for tests, never for data paths.
+ISA-L's ``gf_gen_cauchy1_matrix`` builds, except for k = 1, where every parity row is 1: RS(1, m) is
+(m+1)-way replication, each parity chunk a copy of the data chunk. Decoding inverts a k x k
+submatrix by Gauss–Jordan elimination. 0.1–0.4 GB/s: for tests, never for data paths.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def gf_inv(a: int) -> int:
 
 
 def cauchy_matrix(k: int, m: int) -> U8:
-    """The (k+m) x k systematic Cauchy generator matrix."""
+    """The (k+m) x k systematic Cauchy generator matrix (all parity rows 1 for k = 1)."""
     if k < 1 or m < 1 or k + m > 255:
         raise InvalidParamsError(f"invalid k={k}, m={m}")
     out = np.zeros((k + m, k), dtype=np.uint8)
     out[:k] = np.eye(k, dtype=np.uint8)
+    if k == 1:
+        out[1:] = 1
+        return out
     for i in range(k, k + m):
         for j in range(k):
             out[i, j] = gf_inv(i ^ j)

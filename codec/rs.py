@@ -5,6 +5,11 @@ Chunk indexes 0..k-1 are data, k..k+m-1 parity. The generator is ISA-L's Cauchy 
 is byte-identical to pyeclib's. Every square submatrix of a Cauchy matrix is invertible, so any k
 chunks decode; ISA-L's Vandermonde generator does not have that property and is not used.
 
+RS(1, m) is (m+1)-way replication: its parity rows are all 1, so every parity chunk is a copy of
+the data chunk (Cauchy would scale copies 2..m by ``1 / i``, which protects no better and costs a
+multiply), and encode and decode are plain copies. For m = 1 this is Cauchy's own row; for k = 1,
+m > 1 the parity differs from pyeclib's. The daemons use it as the replication baseline.
+
 Two phases, as in ISA-L itself: tables are built once (encode tables per codec, decode tables per
 erasure pattern, both cached), then each call is one ``ec_encode_data`` over prebuilt pointer
 arrays per thread.
@@ -134,6 +139,8 @@ class RSCodec:
         n = k + m
         self._matrix = np.zeros(n * k, dtype=np.uint8)
         self._lib.gf_gen_cauchy1_matrix(_u8ptr(self._matrix), n, k)
+        if k == 1:
+            self._matrix[1:] = 1  # replication: every parity chunk is a copy
         self._encode_tables = self._tables(self._matrix[k * k :], m)
         self._decode_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], U8Array] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], int], _Plan] = {}
@@ -145,7 +152,9 @@ class RSCodec:
 
     @property
     def matrix(self) -> U8Array:
-        """The (k+m) x k generator matrix: identity on top of the Cauchy rows (a read-only copy)."""
+        """The (k+m) x k generator matrix: identity on top of the Cauchy rows (a read-only copy).
+
+        For k = 1 the parity rows are all 1 (replication)."""
         out = self._matrix.reshape(self.k + self.m, self.k).copy()
         out.flags.writeable = False
         return out
@@ -177,6 +186,9 @@ class RSCodec:
             raise ChunkSizeMismatchError(
                 f"parity chunks are {plength} bytes but data chunks are {length}"
             )
+        if self.k == 1:
+            self._copy(data[0], parity)
+            return
         self._run(self._encode_tables, src, dst, length)
 
     def decode(
@@ -218,6 +230,9 @@ class RSCodec:
         dst, olength = _pointers([out[i] for i in wanted], True, "out")
         if olength != length:
             raise ChunkSizeMismatchError(f"out chunks are {olength} bytes, available are {length}")
+        if self.k == 1:
+            self._copy(available[ordered[0]], [out[i] for i in wanted])
+            return
         self._run(self._decode_tables(chosen, wanted), src, dst, length)
 
     def close(self) -> None:
@@ -233,6 +248,13 @@ class RSCodec:
         if count is not None and len(bufs) != count:
             raise ChunkSizeMismatchError(f"expected {count} {what} chunks, got {len(bufs)}")
         return _pointers(bufs, False, what)[1]
+
+    @staticmethod
+    def _copy(src: Buffer, dst: Sequence[Buffer]) -> None:
+        """RS(1, m): every chunk is the data chunk; copy it (numpy's memcpy drops the GIL)."""
+        s = as_u8(src, what="data")
+        for i, d in enumerate(dst):
+            np.copyto(as_u8(d, writable=True, what=f"chunk {i}"), s)
 
     def _tables(self, rows: U8Array, nrows: int) -> U8Array:
         tables = np.zeros(32 * self.k * nrows, dtype=np.uint8)

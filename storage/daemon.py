@@ -1057,6 +1057,7 @@ class Daemon:
         out_scratch = self._scratch_for("out", window * max(m - 1, 1) + 1)
         outbox = self._scratch_for("send", window)
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
+        replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         t_encode = 0.0
         for w0 in range(0, layout.stripes, window):
             stripes = range(w0, min(w0 + window, layout.stripes))
@@ -1073,8 +1074,20 @@ class Daemon:
                             view = self._chunk_view(rec, c)
                             row = outbox[s - w0, : view.nbytes]
                             row[:] = view
-                            data_reqs += self.links.isend(row, rank_at[encoder], TAG_DATA)
-                if encoder == pos:
+                            for to in ppos if replicate else (encoder,):
+                                data_reqs += self.links.isend(row, rank_at[to], TAG_DATA)
+                if replicate:
+                    # RS(1, m) keeps copies: each copy holder receives the chunk in place
+                    if pos in ppos and parity is not None:
+                        slot_i = layout.parity_slot(pos, s)
+                        dst = parity[slot_i * cb : (slot_i + 1) * cb]
+                        c = layout.data_chunk(s, 0)
+                        dpos = layout.data_position(s, 0)
+                        length = 0 if c is None else blobs[dpos].chunks[c].length
+                        dst[length:] = 0
+                        if length:
+                            data_reqs += self.links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
+                elif encoder == pos:
                     mine_to_encode.append(s)
                     row0 = (s - w0) * k
                     for j in range(k):
@@ -1109,8 +1122,10 @@ class Daemon:
                 for i in range(1, m):
                     parity_reqs += self.links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
             self.links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=True)
-        encoded_stripes = sum(
-            1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos
+        encoded_stripes = (
+            0
+            if replicate
+            else sum(1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos)
         )
         self.stats["encode_bytes"] += encoded_stripes * k * cb
         self.stats["encode_seconds"] += t_encode

@@ -108,6 +108,33 @@ def test_matches_pyeclib_isa_l_rs_cauchy() -> None:
             np.testing.assert_array_equal(parity[j], bodies[k + j], err_msg=f"{k}+{m} parity {j}")
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_k1_is_replication(m: int) -> None:
+    """RS(1, m) keeps m copies: every parity chunk equals the data chunk, any one rebuilds all."""
+    rs = RSCodec(1, m, threads=2)
+    assert (rs.matrix == 1).all()
+    data, parity = _stripe(1, m, (1 << 20) + 7)
+    rs.encode_into(data, parity)
+    for p in parity:
+        np.testing.assert_array_equal(p, data[0])
+    chunks = data + parity
+    for keep in range(m + 1):
+        out = {i: guarded(len(data[0])) for i in range(m + 1) if i != keep}
+        rs.decode_into({keep: chunks[keep]}, out)
+        for b in out.values():
+            np.testing.assert_array_equal(b, data[0])
+
+
+def test_k1_matches_pyeclib_for_one_copy() -> None:
+    """For m = 1 the replication row is Cauchy's own (1 / 1), so pyeclib agrees byte for byte."""
+    from pyeclib import ec_iface as pyeclib
+
+    payload = np.random.default_rng(5).integers(0, 256, 4099, dtype=np.uint8).tobytes()
+    fragments = pyeclib.ECDriver(k=1, m=1, ec_type="isa_l_rs_cauchy").encode(payload)
+    bodies = [np.frombuffer(f[80:], dtype=np.uint8) for f in fragments]
+    np.testing.assert_array_equal(RSCodec(1, 1).encode(bodies[:1])[0], bodies[1])
+
+
 def test_buffer_kinds() -> None:
     rs = RSCodec(3, 2)
     raw = [bytes([i + 1]) * 100 for i in range(3)]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from storage.placement import Group, StripeLayout
+from storage.placement import Group, HostBlob, StripeLayout
 
 from ._cluster import REPO, Cluster
 
@@ -233,4 +233,47 @@ def test_put_in_flight_fails_and_clients_reconnect(shm_root: Path) -> None:
         if helper.poll() is None:
             helper.kill()
             helper.communicate()
+        c.stop()
+
+
+def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> None:
+    """RS(1, 2) is 3-way replication: each peer holds byte copies of a host's chunks, no encoding,
+    and any two of the three hosts can be wiped."""
+    cb = 65536
+    c = Cluster(shm_root, hosts=3, k=1, m=2, extra=["--chunk-bytes", str(cb)])
+    try:
+        c.trainers("put", world=6, per_host=2, params={"steps": [1, 2]})
+        [r] = c.trainers("check", world=6, per_host=2, only=[0], params={"steps": [2]})
+        assert r["errors"] == {} and r["info"]["stats"]["encode_bytes"] == 0, r
+        c.kill()
+        m = _manifest(shm_root, c.job, "host0", 2)
+        shards = {int(s["rank"]): s for s in m["shards"]}
+        blobs = [
+            HostBlob(tuple((r, s["nbytes"]) for r, s in shards.items() if s["slot"] == p), cb)
+            for p in range(3)
+        ]
+        lay = StripeLayout(Group(0, (0, 1, 2), 1, 2), [len(b.chunks) for b in blobs])
+        copies = 0
+        for p in range(3):
+            parity = (shm_root / c.job / f"host{p}" / "parity" / m["parity"][str(p)]).read_bytes()
+            for i, s in enumerate(lay.parity_stripes[p]):
+                dpos, chunk = lay.data_position(s, 0), lay.data_chunk(s, 0)
+                want = bytearray(cb)
+                if chunk is not None:
+                    ref = blobs[dpos].chunks[chunk]
+                    path = shm_root / c.job / f"host{dpos}" / "data" / shards[ref.rank]["buffer"]
+                    with path.open("rb") as f:
+                        f.seek(ref.offset)
+                        want[: ref.length] = f.read(ref.length)
+                    copies += 1
+                assert parity[i * cb : (i + 1) * cb] == bytes(want), (p, s)
+        assert copies == 2 * sum(len(b.chunks) for b in blobs)  # every chunk on both peers
+        for lost in ("host0", "host2"):
+            shutil.rmtree(shm_root / c.job / lost)
+        c = _relaunch(c, k=1, m=2, extra=["--chunk-bytes", str(cb)])
+        [r] = c.trainers(
+            "check", world=6, per_host=2, only=[0], params={"steps": [1, 2]}, hosts=["host0"] * 6
+        )
+        assert r["errors"] == {} and r["steps"] == [1, 2], r
+    finally:
         c.stop()
