@@ -7,9 +7,9 @@ machine drift hits every contender alike:
 - ecsnap ``put``: all ranks at once; put->staged (what the training loop waits for) and
   put->protected (parity stored on peers), the slowest rank counted;
 - the floor: the same state copied with 2 threads into pre-faulted shared memory;
-- ``torch.save`` to /dev/shm, and ``torch.load`` back;
+- ``torch.save`` to /dev/shm and to disk (with fsync), and ``torch.load`` back;
 - DCP ``async_save`` with a FileSystemWriter to /dev/shm: its blocking time and its time until
-  written;
+  written; DCP ``save`` and ``load`` with FileSystemWriter/Reader on /dev/shm;
 - ecsnap local ``get`` (a trainer restarting on its own host), the slowest rank counted.
 
 Then host loss, 1-3 times: the storage job is killed, one host's memory wiped, the job relaunched.
@@ -18,6 +18,13 @@ daemon), then every rank reads it back (checked bit-exact); older steps are rebu
 run waits for health "healthy" to time the rebuild of all of them.
 
 Then the daemons' byte counters: parity held and bytes sent per host against the host's blob.
+
+Then the replication baseline (``--replicas R``, default 2; the scheme of Gemini and NVIDIA's local
+checkpointing): the same daemons relaunched as RS(1, R-1), which keeps R-1 byte copies of every
+chunk on the other hosts of its group (no encoding; see ``codec.rs``), through the same puts, gets
+and host losses, with the floor timed again in that phase so drift between the phases shows.
+Memory, network bytes and times are reported as replication / RS. The phases run one after the
+other, not side by side, so that both daemon sets never hold memory at once.
 Results: JSON lines in ``bench/results/store.jsonl`` with medians and spreads, ratios of medians.
 """
 
@@ -34,6 +41,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -214,85 +222,74 @@ def _dcp_async(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, 
     return t_block, t_done
 
 
-def run(
-    quick: bool = False,
-    k: int = 3,
-    m: int = 1,
-    nbytes: int | None = None,
-    repeats: int | None = None,
-    chunk: int = 1 << 20,
-) -> list[dict[str, Any]]:
-    from transport import shm
+def _dcp_save_load(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, float]:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    nbytes = nbytes or ((256 << 20) if quick else 1_500_000_000)
-    ntensors = 200
-    repeats = repeats or (3 if quick else 7)
-    warmup = 3  # keep + 1 puts: from then on every put reuses pre-faulted buffers (steady state)
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    root = base / f"ecsnap-bench-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o700)
-    job = "bench"
-    rec = Recorder(
-        "store",
-        {
-            "quick": quick,
-            "k": k,
-            "m": m,
-            "hosts": HOSTS,
-            "ranks": HOSTS,
-            "state_bytes": nbytes,
-            "tensors": ntensors,
-            "repeats": repeats,
-            "chunk_bytes": chunk,
-        },
-    )
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        t0 = time.perf_counter()
+        dcp_save(state, storage_writer=FileSystemWriter(str(directory)), no_dist=True)
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dcp_load(target, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        t_load = time.perf_counter() - t0
+    shutil.rmtree(directory)
+    return t_save, t_load
+
+
+def _phase(
+    label: str,
+    job: str,
+    root: Path,
+    k: int,
+    m: int,
+    chunk: int,
+    size: tuple[int, int],
+    rounds: tuple[int, int, int],
+    in_process: Callable[[int], dict[str, float]],
+) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """Puts, local gets and host losses through one set of RS(k, m) daemons.
+
+    ``size`` is (state bytes, tensors), ``rounds`` (warm-up puts, measured puts, host losses).
+    Each put round also runs ``in_process(round)`` (the contenders timed in this process), so
+    drift hits them alike. Samples are named ``<label>_...``; returns them and each host's info.
+    """
+    nbytes, ntensors = size
+    warmup, repeats, losses = rounds
     samples: dict[str, list[float]] = {}
     daemons = _daemons(job, root, k, m, chunk)
     workers = None
     try:
         workers = Workers(job, root, nbytes, ntensors)
-        state = make_state(nbytes, ntensors, seed=99)
-        actual = _nbytes(state)
-        floor_buf = shm.create(root / "floor.buf", actual)
-        pool = ThreadPoolExecutor(2)
-        print(
-            f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m})",
-            file=sys.stderr,
-        )
         for r in range(warmup + repeats):
             step = r + 1
             puts = workers.all({"op": "put", "step": step})
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
-            measured = {
-                "ecsnap_put_return": max(p["return"] for p in puts),
-                "ecsnap_put_staged": max(p["staged"] for p in puts),
-                "ecsnap_put_protected": max(p["protected"] for p in puts),
-                "ecsnap_get_local": max(g["get_touched"] for g in got),
-                "floor_copy_2threads": _floor(state, floor_buf, pool),
-            }
-            measured["torch_save_shm"], measured["torch_load_shm"] = _torch_save_load(
-                state, root / "state.pt"
-            )
-            measured["dcp_async_save_blocking"], measured["dcp_async_save_done"] = _dcp_async(
-                state, root / f"dcp-{r}"
-            )
             if r == 0 and not all(g.get("exact") for g in got):
-                raise AssertionError("ecsnap get returned different bytes than were put")
+                raise AssertionError(f"{label} get returned different bytes than were put")
+            measured = {
+                f"{label}_put_return": max(p["return"] for p in puts),
+                f"{label}_put_staged": max(p["staged"] for p in puts),
+                f"{label}_put_protected": max(p["protected"] for p in puts),
+                f"{label}_get_local": max(g["get_touched"] for g in got),
+                **in_process(r),
+            }
             if r >= warmup:
                 for name, value in measured.items():
                     samples.setdefault(name, []).append(value)
             print(
-                f"repeat {r + 1}/{warmup + repeats}: "
+                f"RS({k},{m}) repeat {r + 1}/{warmup + repeats}: "
                 + ", ".join(f"{n}={v:.3f}s" for n, v in measured.items()),
                 file=sys.stderr,
             )
         infos = workers.all({"op": "info"})
-        floor_buf.close()
-        pool.shutdown()
         # host loss: the storage job dies, one host's memory is wiped, the job is relaunched and
         # rebuilds that host from its group at start-up; then every rank reads the last step
         last = warmup + repeats
-        for i in range(1 if quick else 3):
+        for i in range(losses):
             lost = 1 + i % (HOSTS - 1)
             os.killpg(daemons.pid, 9)
             daemons.wait(30)
@@ -302,7 +299,7 @@ def run(
             t_relaunch = time.perf_counter() - t0
             got = workers.all({"op": "get", "step": last, "verify": True})
             if not all(g.get("exact") for g in got):
-                raise AssertionError("ecsnap get after a rebuild returned different bytes")
+                raise AssertionError(f"{label} get after a rebuild returned different bytes")
             # the newest step is rebuilt before the daemons serve; older ones after: wait for all
             deadline = time.monotonic() + 300
             while (after := workers.all({"op": "info"}))[lost]["health"] != "healthy":
@@ -316,13 +313,13 @@ def run(
                 ("relaunch_with_rebuild", t_relaunch),
                 ("rebuild_newest_step_one_host", first),
                 ("rebuild_all_steps_one_host", rebuild),
-                ("ecsnap_get_lost_host", get_lost),
-                ("ecsnap_rebuild_newest_plus_get_lost_host", first + get_lost),
+                ("get_lost_host", get_lost),
+                ("rebuild_newest_plus_get_lost_host", first + get_lost),
             ):
-                samples.setdefault(name, []).append(value)
+                samples.setdefault(f"{label}_{name}", []).append(value)
             print(
-                f"host{lost} lost: relaunch {t_relaunch:.2f}s (newest step rebuilt in "
-                f"{first:.3f}s, all in {rebuild:.3f}s), its rank's get {get_lost:.3f}s",
+                f"RS({k},{m}) host{lost} lost: relaunch {t_relaunch:.2f}s (newest step rebuilt "
+                f"in {first:.3f}s, all in {rebuild:.3f}s), its rank's get {get_lost:.3f}s",
                 file=sys.stderr,
             )
     finally:
@@ -333,6 +330,115 @@ def run(
         daemons.wait(30)
         if os.environ.get("ECSNAP_TRACE"):
             print((root / "daemons.log").read_text(), file=sys.stderr)
+    return samples, infos
+
+
+def _bytes(
+    rec: Recorder, scheme: str, k: int, m: int, infos: list[dict[str, Any]], puts: int
+) -> list[tuple[Any, ...]]:
+    """Per host: parity held and bytes sent per step against its blob (and the m/k targets)."""
+    rows = []
+    for info in infos:
+        held = len(info["protected"])
+        blob = info["data_bytes"] / held
+        parity_ratio = info["parity_bytes"] / held / blob
+        net_ratio = info["sent_bytes"] / puts / blob
+        rec.add(
+            kind="bytes",
+            scheme=scheme,
+            host=info["host"],
+            blob_bytes=blob,
+            parity_bytes_per_step=info["parity_bytes"] / held,
+            sent_bytes_per_step=info["sent_bytes"] / puts,
+            parity_over_blob=parity_ratio,
+            sent_over_blob=net_ratio,
+            parity_target=m / k,
+            sent_target=1 + (m - 1) / k,
+            unit="bytes",
+        )
+        rows.append((scheme, info["host"], blob, parity_ratio, m / k, net_ratio, 1 + (m - 1) / k))
+    return rows
+
+
+def run(
+    quick: bool = False,
+    k: int = 3,
+    m: int = 1,
+    nbytes: int | None = None,
+    repeats: int | None = None,
+    chunk: int = 1 << 20,
+    replicas: int = 2,
+) -> list[dict[str, Any]]:
+    from bench.persist import _torch_disk
+    from transport import shm
+
+    nbytes = nbytes or ((256 << 20) if quick else 1_500_000_000)
+    ntensors = 200
+    repeats = repeats or (3 if quick else 7)
+    warmup = 3  # keep + 1 puts: from then on every put reuses pre-faulted buffers (steady state)
+    losses = 1 if quick else 3
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    root = base / f"ecsnap-bench-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    rec = Recorder(
+        "store",
+        {
+            "quick": quick,
+            "k": k,
+            "m": m,
+            "replicas": replicas,
+            "hosts": HOSTS,
+            "ranks": HOSTS,
+            "state_bytes": nbytes,
+            "tensors": ntensors,
+            "repeats": repeats,
+            "chunk_bytes": chunk,
+        },
+    )
+    state = make_state(nbytes, ntensors, seed=99)
+    actual = _nbytes(state)
+    pool = ThreadPoolExecutor(2)
+    floor_buf = shm.create(root / "floor.buf", actual)
+    print(
+        f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}), "
+        f"then {replicas}-way replication (RS(1,{replicas - 1}))",
+        file=sys.stderr,
+    )
+
+    def alternatives(r: int) -> dict[str, float]:
+        out = {"floor_copy_2threads": _floor(state, floor_buf, pool)}
+        out["torch_save_shm"], out["torch_load_shm"] = _torch_save_load(state, root / "state.pt")
+        out["torch_save_disk"], out["torch_load_disk"] = _torch_disk(state)
+        out["dcp_async_save_blocking"], out["dcp_async_save_done"] = _dcp_async(
+            state, root / f"dcp-async-{r}"
+        )
+        out["dcp_save_shm"], out["dcp_load_shm"] = _dcp_save_load(state, root / f"dcp-{r}")
+        return out
+
+    def floor_only(r: int) -> dict[str, float]:
+        return {"floor_copy_2threads_replication_phase": _floor(state, floor_buf, pool)}
+
+    try:
+        rounds = (warmup, repeats, losses)
+        samples, infos = _phase(
+            "ecsnap", "bench", root, k, m, chunk, (nbytes, ntensors), rounds, alternatives
+        )
+        if replicas > 1:
+            more, repl_infos = _phase(
+                "replication",
+                "bench-repl",
+                root,
+                1,
+                replicas - 1,
+                chunk,
+                (nbytes, ntensors),
+                rounds,
+                floor_only,
+            )
+            samples.update(more)
+    finally:
+        floor_buf.close()
+        pool.shutdown()
         shutil.rmtree(root, ignore_errors=True)
 
     rows = []
@@ -341,26 +447,11 @@ def run(
         rec.add(kind="time", name=name, unit="s", state_bytes=actual, samples=len(s), **stats)
         rows.append((name, stats["median_s"], stats["p10_s"], stats["p90_s"]))
     med = {n: statistics.median(s) for n, s in samples.items()}
-    puts_total = warmup + repeats
-    bytes_rows = []
-    for info in infos:
-        held = len(info["protected"])
-        blob = info["data_bytes"] / held
-        parity_ratio = info["parity_bytes"] / held / blob
-        net_ratio = info["sent_bytes"] / puts_total / blob
-        rec.add(
-            kind="bytes",
-            host=info["host"],
-            blob_bytes=blob,
-            parity_bytes_per_step=info["parity_bytes"] / held,
-            sent_bytes_per_step=info["sent_bytes"] / puts_total,
-            parity_over_blob=parity_ratio,
-            sent_over_blob=net_ratio,
-            parity_target=m / k,
-            sent_target=1 + (m - 1) / k,
-            unit="bytes",
-        )
-        bytes_rows.append((info["host"], blob, parity_ratio, m / k, net_ratio, 1 + (m - 1) / k))
+    puts = warmup + repeats
+    bytes_rows = _bytes(rec, f"RS({k},{m})", k, m, infos, puts)
+    if replicas > 1:
+        bytes_rows += _bytes(rec, f"{replicas}-way", 1, replicas - 1, repl_infos, puts)
+    rs_rows = [r for r in bytes_rows if r[0] == f"RS({k},{m})"]
     ratios = [
         (
             "put blocking / DCP async_save blocking",
@@ -400,13 +491,13 @@ def run(
         ),
         (
             "parity bytes per host / (m/k x blob), worst host",
-            max(r[2] / r[3] for r in bytes_rows),
+            max(r[3] / r[4] for r in rs_rows),
             1.01,
             "<=",
         ),
         (
             "bytes sent per host / ((1+(m-1)/k) x blob), worst host",
-            max(r[4] / r[5] for r in bytes_rows),
+            max(r[5] / r[6] for r in rs_rows),
             1.01,
             "<=",
         ),
@@ -421,10 +512,17 @@ def run(
             met=met,
             unit="ratio of medians",
         )
+    if replicas > 1:
+        _compare(rec, med, infos, repl_infos, puts)
     path = rec.write()
     print(table(rows, ["contender", "median s", "p10 s", "p90 s"]))
     print()
-    print(table(bytes_rows, ["host", "blob bytes", "parity/blob", "target", "sent/blob", "target"]))
+    print(
+        table(
+            bytes_rows,
+            ["scheme", "host", "blob bytes", "parity/blob", "target", "sent/blob", "target"],
+        )
+    )
     print()
     print(
         table(
@@ -436,8 +534,68 @@ def run(
             ["ratio (this run)", "value", "target", "met"],
         )
     )
+    print()
+    print(
+        table(
+            [(r["name"], r["value"]) for r in rec.records if r["kind"] == "compare"],
+            ["replication / RS (this run)", "value"],
+        )
+    )
     print(f"\nwrote {len(rec.records)} records to {path}")
     return rec.records
+
+
+def _compare(
+    rec: Recorder,
+    med: dict[str, float],
+    infos: list[dict[str, Any]],
+    repl_infos: list[dict[str, Any]],
+    puts: int,
+) -> None:
+    """Replication against RS: memory and network per host from the daemons' counters, times."""
+
+    def per_step(infos: list[dict[str, Any]], key: str) -> float:
+        return float(
+            sum(i[key] / (len(i["protected"]) if key != "sent_bytes" else puts) for i in infos)
+        )
+
+    held = {
+        name: per_step(x, "data_bytes") + per_step(x, "parity_bytes")
+        for name, x in (("rs", infos), ("repl", repl_infos))
+    }
+    pairs = [
+        ("memory held per step (data + redundancy)", held["repl"], held["rs"]),
+        (
+            "network bytes sent per step",
+            per_step(repl_infos, "sent_bytes"),
+            per_step(infos, "sent_bytes"),
+        ),
+    ]
+    for what in (
+        "put_staged",
+        "put_protected",
+        "get_local",
+        "rebuild_newest_step_one_host",
+        "rebuild_all_steps_one_host",
+        "get_lost_host",
+    ):
+        pairs.append((what, med[f"replication_{what}"], med[f"ecsnap_{what}"]))
+    pairs.append(
+        (
+            "2-thread copy floor (drift between the two phases)",
+            med["floor_copy_2threads_replication_phase"],
+            med["floor_copy_2threads"],
+        )
+    )
+    for name, repl, rs in pairs:
+        rec.add(
+            kind="compare",
+            name=f"replication / RS: {name}",
+            value=repl / rs,
+            replication=repl,
+            rs=rs,
+            unit="ratio (bytes: sums over hosts; times: medians)",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, default=None, help="state size (default 1.5 GB)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="then the same daemons keeping this many full copies, RS(1, r-1) (1: skip)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -465,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes=args.bytes,
         repeats=args.repeats,
         chunk=args.chunk_bytes,
+        replicas=args.replicas,
     )
     return 0
 
