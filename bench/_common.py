@@ -85,6 +85,40 @@ class Recorder:
         self.records.append(record)
         return record
 
+    def times(
+        self, samples: dict[str, list[float]], **fields: Any
+    ) -> tuple[list[tuple[str, float, float, float]], dict[str, float]]:
+        """One ``time`` record per contender (median and spread, seconds); returns table rows
+        (name, median, p10, p90) and the medians by name."""
+        rows = []
+        for name, s in samples.items():
+            stats = summarize(s)
+            self.add(kind="time", name=name, unit="s", samples=len(s), **fields, **stats)
+            rows.append((name, stats["median_s"], stats["p10_s"], stats["p90_s"]))
+        return rows, {n: statistics.median(s) for n, s in samples.items()}
+
+    def ratios(self, ratios: Iterable[tuple[str, float, str | None]]) -> list[tuple[Any, ...]]:
+        """One ``ratio`` record each; a target reads "<= 1.1" or ">= 8" (None: no target).
+        Returns table rows (name, value, target, met)."""
+        rows = []
+        for name, value, target in ratios:
+            met = None
+            if target is not None:
+                op, bound = target.split()
+                met = value <= float(bound) if op == "<=" else value >= float(bound)
+            self.add(
+                kind="ratio",
+                name=name,
+                value=value,
+                target=target,
+                met=met,
+                unit="ratio of medians",
+            )
+            rows.append(
+                (name, value, target or "-", "-" if met is None else ("yes" if met else "NO"))
+            )
+        return rows
+
     def write(self) -> Path:
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{self.name}.jsonl"

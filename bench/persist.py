@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, exit_on_sigterm, summarize, table
+from bench._common import Recorder, exit_on_sigterm, table
 from bench.store import HOSTS, Workers, _nbytes, make_state
 
 DISK = Path(os.environ.get("ECSNAP_BENCH_DISK", tempfile.gettempdir()))
@@ -204,12 +203,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
             print((root / "daemons.log").read_text(), file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    rows = []
-    for name, s in samples.items():
-        stats = summarize(s)
-        rec.add(kind="time", name=name, unit="s", state_bytes=actual, samples=len(s), **stats)
-        rows.append((name, stats["median_s"], stats["p10_s"], stats["p90_s"]))
-    med = {n: statistics.median(s) for n, s in samples.items()}
+    rows, med = rec.times(samples, state_bytes=actual)
     ratios = [
         (
             "torch.save+fsync to disk / ecsnap persist (protected -> published)",
@@ -247,15 +241,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
             None,
         ),
     ]
-    out = []
-    for name, value, target in ratios:
-        met = None
-        if target is not None:
-            met = value <= float(target.split()[1])
-        rec.add(
-            kind="ratio", name=name, value=value, target=target, met=met, unit="ratio of medians"
-        )
-        out.append((name, value, target or "-", "-" if met is None else ("yes" if met else "NO")))
+    out = rec.ratios(ratios)
     path = rec.write()
     print(table(rows, ["contender", "median s", "p10 s", "p90 s"]))
     print()

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from typing import Any
 
 import torch
 
-from bench._common import Recorder, exit_on_sigterm, summarize, table
+from bench._common import Recorder, exit_on_sigterm, table
 
 HOSTS = 4
 
@@ -441,12 +440,7 @@ def run(
         pool.shutdown()
         shutil.rmtree(root, ignore_errors=True)
 
-    rows = []
-    for name, s in samples.items():
-        stats = summarize(s)
-        rec.add(kind="time", name=name, unit="s", state_bytes=actual, samples=len(s), **stats)
-        rows.append((name, stats["median_s"], stats["p10_s"], stats["p90_s"]))
-    med = {n: statistics.median(s) for n, s in samples.items()}
+    rows, med = rec.times(samples, state_bytes=actual)
     puts = warmup + repeats
     bytes_rows = _bytes(rec, f"RS({k},{m})", k, m, infos, puts)
     if replicas > 1:
@@ -456,62 +450,45 @@ def run(
         (
             "put blocking / DCP async_save blocking",
             med["ecsnap_put_staged"] / med["dcp_async_save_blocking"],
-            0.5,
-            "<=",
+            "<= 0.5",
         ),
         (
             "put blocking / 2-thread copy floor",
             med["ecsnap_put_staged"] / med["floor_copy_2threads"],
-            1.3,
-            "<=",
+            "<= 1.3",
         ),
         (
             "DCP async_save until written / put->protected",
             med["dcp_async_save_done"] / med["ecsnap_put_protected"],
-            4.0,
-            ">=",
+            ">= 4.0",
         ),
         (
             "torch.save /dev/shm / put->protected",
             med["torch_save_shm"] / med["ecsnap_put_protected"],
-            2.0,
-            ">=",
+            ">= 2.0",
         ),
         (
             "torch.load /dev/shm / local get",
             med["torch_load_shm"] / med["ecsnap_get_local"],
-            8.0,
-            ">=",
+            ">= 8.0",
         ),
         (
             "torch.load /dev/shm / get of a lost host's shard (rebuild of the newest step + get)",
             med["torch_load_shm"] / med["ecsnap_rebuild_newest_plus_get_lost_host"],
-            2.0,
-            ">=",
+            ">= 2.0",
         ),
         (
             "parity bytes per host / (m/k x blob), worst host",
             max(r[3] / r[4] for r in rs_rows),
-            1.01,
-            "<=",
+            "<= 1.01",
         ),
         (
             "bytes sent per host / ((1+(m-1)/k) x blob), worst host",
             max(r[5] / r[6] for r in rs_rows),
-            1.01,
-            "<=",
+            "<= 1.01",
         ),
     ]
-    for name, value, target, op in ratios:
-        met = value <= target if op == "<=" else value >= target
-        rec.add(
-            kind="ratio",
-            name=name,
-            value=value,
-            target=f"{op} {target}",
-            met=met,
-            unit="ratio of medians",
-        )
+    ratio_rows = rec.ratios(ratios)
     if replicas > 1:
         _compare(rec, med, infos, repl_infos, puts)
     path = rec.write()
@@ -524,16 +501,7 @@ def run(
         )
     )
     print()
-    print(
-        table(
-            [
-                (r["name"], r["value"], r["target"], "yes" if r["met"] else "NO")
-                for r in rec.records
-                if r["kind"] == "ratio"
-            ],
-            ["ratio (this run)", "value", "target", "met"],
-        )
-    )
+    print(table(ratio_rows, ["ratio (this run)", "value", "target", "met"]))
     print()
     print(
         table(
