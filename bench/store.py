@@ -398,9 +398,9 @@ def run(
     actual = _nbytes(state)
     pool = ThreadPoolExecutor(2)
     floor_buf = shm.create(root / "floor.buf", actual)
+    then = f", then {replicas}-way replication (RS(1,{replicas - 1}))" if replicas > 1 else ""
     print(
-        f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}), "
-        f"then {replicas}-way replication (RS(1,{replicas - 1}))",
+        f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}){then}",
         file=sys.stderr,
     )
 
@@ -502,13 +502,14 @@ def run(
     )
     print()
     print(table(ratio_rows, ["ratio (this run)", "value", "target", "met"]))
-    print()
-    print(
-        table(
-            [(r["name"], r["value"]) for r in rec.records if r["kind"] == "compare"],
-            ["replication / RS (this run)", "value"],
+    if replicas > 1:
+        print()
+        print(
+            table(
+                [(r["name"], r["value"]) for r in rec.records if r["kind"] == "compare"],
+                ["replication / RS (this run)", "value"],
+            )
         )
-    )
     print(f"\nwrote {len(rec.records)} records to {path}")
     return rec.records
 
