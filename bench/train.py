@@ -12,7 +12,7 @@ dataloader) trains for a fixed number of steps in each mode, the modes interleav
 Overhead of a mode = its mean step time / the same repeat's ``none`` mean step time - 1 (mean,
 not median: the snapshot steps are the cost). Results: JSON lines in ``bench/results/train.jsonl``
 with medians and p10/p90 over repeats; the ratio of ecsnap's overhead to DCP's at each frequency
-(target: <= 0.25).
+(target: <= 0.25; no verdict where DCP's overhead is itself below zero in a repeat: noise).
 """
 
 from __future__ import annotations
@@ -235,16 +235,20 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
     for n in ("1", "10"):
         e, d = statistics.median(overhead[f"ecsnap/{n}"]), statistics.median(overhead[f"dcp/{n}"])
         value = e / d if d > 0 else float("inf")
-        met = value <= 0.25
+        # when DCP's own overhead is below zero in a repeat, it is within the noise: no verdict
+        noise = min(overhead[f"dcp/{n}"]) <= 0.0
+        met = None if noise else value <= 0.25
         rec.add(
             kind="ratio",
             name=f"ecsnap overhead / DCP async_save overhead, every {n}",
             value=value,
             target="<= 0.25",
             met=met,
+            within_noise=noise,
             unit="ratio of median overheads",
         )
-        ratios.append((f"every {n} step(s)", value, "<= 0.25", "yes" if met else "NO"))
+        verdict = "noise" if met is None else ("yes" if met else "NO")
+        ratios.append((f"every {n} step(s)", value, "<= 0.25", verdict))
     path = rec.write()
     print(table(rows, ["mode", "overhead % (median)", "min", "max"]))
     print()
