@@ -161,7 +161,8 @@ def _time_bars(name: str, title: str, full_only: bool = True) -> Path | None:
     size = params.get("state_bytes", 0) / 1e9
     ax.set_title(
         f"{title}: {size:.2f} GB state, {params.get('hosts', '?')} hosts "
-        f"(commit {records[0]['commit']}; green: ecsnap, blue: ecsnap's daemons replicating)",
+        f"(commit {records[0]['commit']})\ngreen: ecsnap; blue: ecsnap's daemons replicating; "
+        "gray: the alternatives",
         fontsize=10,
     )
     fig.tight_layout()
@@ -213,16 +214,15 @@ def newest_per_fault() -> list[dict[str, Any]]:
     path = RESULTS / "faults.jsonl"
     if not path.exists():
         return []
-    best: dict[str, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    best: dict[str, tuple[int, dict[str, Any]]] = {}
+    for i, line in enumerate(path.read_text().splitlines()):
         r = json.loads(line) if line.strip() else {}
         if r.get("kind") != "fault":
             continue
         old = best.get(r["name"])
-        if old is None or r["trials"] >= old["trials"]:
-            best[r["name"]] = r
-    order = {name: i for i, name in enumerate(best)}
-    return sorted(best.values(), key=lambda r: order[r["name"]])
+        if old is None or r["trials"] >= old[1]["trials"]:
+            best[r["name"]] = (i, r)
+    return [r for _, r in sorted(best.values(), key=lambda x: x[0])]  # in the order they ran
 
 
 def faults_chart() -> Path | None:
