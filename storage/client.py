@@ -104,7 +104,7 @@ class Store:
         self.host, self.root, self.timeout = host, root, timeout
         self.socket_path = host_dir(root, job, host) / "ctl.sock"
         self._lock = threading.Lock()
-        self._conn = self._open()
+        self._conn, info = self._handshake()
         self._maps: dict[str, shm.MappedFile] = {}
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
@@ -114,7 +114,6 @@ class Store:
         self._last_put: SaveHandle | None = None
         self._copier: Any = None  # storage.gpu.DeviceCopier, made on the first CUDA put
         self._registry: Any = None
-        info = self._request({"op": "hello", "job": job, "rank": rank})
         self.daemon_host: str = info["host"]
         self.hosts: list[str] = info["hosts"]
         self.k, self.m = int(info["k"]), int(info["m"])
@@ -122,13 +121,38 @@ class Store:
     # -- plumbing ---------------------------------------------------------------------------------
 
     def _open(self) -> control.Connection:
+        """A connection to the daemon, retried within ``timeout``."""
+        return self._connect(hello=False)[0]
+
+    def _handshake(self) -> tuple[control.Connection, dict[str, Any]]:
+        """A connection on which the daemon has said hello to this job and rank, and its reply."""
+        conn, reply = self._connect(hello=True)
+        assert reply is not None
+        return conn, reply
+
+    def _connect(self, hello: bool) -> tuple[control.Connection, dict[str, Any] | None]:
+        """Connect (and say hello), retrying within ``timeout``. A daemon that accepts and then
+        drops the connection (one dying right now) counts as no daemon; a refusal (another job)
+        raises its own error at once. Nothing is left open when it raises."""
         deadline = time.monotonic() + self.timeout
         delay = 0.02
         last: Exception | None = None
         while True:
+            conn = None
             try:
-                return control.connect(self.socket_path)
-            except OSError as exc:
+                conn = control.connect(self.socket_path)
+                if not hello:
+                    return conn, None
+                reply = conn.request({"op": "hello", "job": self.job, "rank": self.rank})
+                if reply is None:
+                    raise ConnectionResetError("the daemon closed the connection")
+                if not reply.get("ok", False):
+                    conn.close()
+                    raise from_wire(reply)
+                return conn, reply
+            except (OSError, ProtocolError) as exc:
+                if conn is not None:
+                    conn.close()
                 last = exc
             if time.monotonic() >= deadline:
                 raise DaemonUnavailableError(
@@ -162,14 +186,7 @@ class Store:
                         reply = None
                     if reply is None and message.get("op") in _RETRYABLE and not self._closed:
                         self._conn.close()
-                        self._conn = self._open()
-                        hello = self._conn.request(
-                            {"op": "hello", "job": self.job, "rank": self.rank}
-                        )
-                        if hello is None or not hello.get("ok"):
-                            raise DaemonUnavailableError(
-                                f"the daemon at {self.socket_path} came back but refused us"
-                            )
+                        self._conn, hello = self._handshake()
                         self.hosts = hello["hosts"]
                         reply = self._conn.request(message)
         except (OSError, ProtocolError) as exc:

@@ -1,0 +1,62 @@
+"""The client's connect against sockets without a working daemon behind them (no MPI needed)."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+
+import storage
+from storage.errors import DaemonUnavailableError
+
+
+def _hanging_up_server(path: Path) -> tuple[socket.socket, threading.Thread]:
+    """Accepts every connection and closes it at once, as a daemon that is dying does."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, t
+
+
+def test_a_daemon_that_hangs_up_counts_as_none_and_nothing_leaks(tmp_path: Path) -> None:
+    host = tmp_path / "job" / "host0"
+    host.mkdir(parents=True, mode=0o700)
+    srv, t = _hanging_up_server(host / "ctl.sock")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(DaemonUnavailableError, match=r"no ecsnap daemon .* answered"):
+                storage.connect(
+                    "job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.3
+                )
+            gc.collect()
+        leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert not leaks, [str(w.message) for w in leaks]
+    finally:
+        srv.close()
+        t.join(5)
+
+
+def test_nobody_listening(tmp_path: Path) -> None:
+    host = tmp_path / "job" / "host0"
+    host.mkdir(parents=True, mode=0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(host / "ctl.sock"))  # a socket file nobody listens on: a dead daemon's
+    stale.close()
+    with pytest.raises(DaemonUnavailableError, match="no ecsnap daemon"):
+        storage.connect("job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.2)
