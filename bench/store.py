@@ -331,6 +331,7 @@ def _phase(
         daemons.wait(30)
         if os.environ.get("ECSNAP_TRACE"):
             print((root / "daemons.log").read_text(), file=sys.stderr)
+        shutil.rmtree(root / job, ignore_errors=True)  # its memory, before the next phase
     return samples, infos
 
 
