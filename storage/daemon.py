@@ -1059,6 +1059,20 @@ class Daemon:
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         t_encode = 0.0
+
+        def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
+            """Post the receive of stripe s's data chunk j into ``dst``; zero its virtual pad."""
+            dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
+            length = 0 if c is None else blobs[dpos].chunks[c].length
+            dst[length:] = 0
+            return self.links.irecv(dst[:length], rank_at[dpos], TAG_DATA) if length else []
+
+        def parity_row(s: int) -> np.ndarray[Any, Any]:
+            """This host's parity (or copy) chunk of stripe s."""
+            assert parity is not None
+            i = layout.parity_slot(pos, s)
+            return parity[i * cb : (i + 1) * cb]
+
         for w0 in range(0, layout.stripes, window):
             stripes = range(w0, min(w0 + window, layout.stripes))
             data_reqs: list[Any] = []
@@ -1079,40 +1093,20 @@ class Daemon:
                 if replicate:
                     # RS(1, m) keeps copies: each copy holder receives the chunk in place
                     if pos in ppos and parity is not None:
-                        slot_i = layout.parity_slot(pos, s)
-                        dst = parity[slot_i * cb : (slot_i + 1) * cb]
-                        c = layout.data_chunk(s, 0)
-                        dpos = layout.data_position(s, 0)
-                        length = 0 if c is None else blobs[dpos].chunks[c].length
-                        dst[length:] = 0
-                        if length:
-                            data_reqs += self.links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
+                        data_reqs += receive_data(s, 0, parity_row(s))
                 elif encoder == pos:
                     mine_to_encode.append(s)
                     row0 = (s - w0) * k
                     for j in range(k):
-                        dpos = layout.data_position(s, j)
-                        c = layout.data_chunk(s, j)
-                        dst = data_scratch[row0 + j]
-                        if c is None:
-                            dst[:] = 0
-                            continue
-                        length = blobs[dpos].chunks[c].length
-                        if length < cb:
-                            dst[length:] = 0
-                        data_reqs += self.links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
+                        data_reqs += receive_data(s, j, data_scratch[row0 + j])
                 elif pos in ppos and parity is not None:
-                    slot_i = layout.parity_slot(pos, s)
-                    dst = parity[slot_i * cb : (slot_i + 1) * cb]
-                    parity_reqs += self.links.irecv(dst, rank_at[encoder], TAG_PARITY)
+                    parity_reqs += self.links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
             if w0 == 0:
                 self._fault("sending")
             self.links.wait(data_reqs, f"data exchange of step {rec.step}", busy=True)
             for s in mine_to_encode:
-                assert parity is not None
                 row0 = (s - w0) * k
-                slot0 = layout.parity_slot(pos, s)
-                outs = [parity[slot0 * cb : (slot0 + 1) * cb]]
+                outs = [parity_row(s)]
                 for i in range(1, m):
                     outs.append(out_scratch[(s - w0) * (m - 1) + i - 1])
                 t0 = time.perf_counter()
