@@ -494,7 +494,7 @@ def run(
     ]
     ratio_rows = rec.ratios(ratios)
     if replicas > 1:
-        _compare(rec, med, infos, repl_infos, puts)
+        _compare(rec, med, f"RS({k},{m})", f"{replicas}-way")
     path = rec.write()
     print(table(rows, ["contender", "median s", "p10 s", "p90 s"]))
     print()
@@ -518,30 +518,31 @@ def run(
     return rec.records
 
 
-def _compare(
-    rec: Recorder,
-    med: dict[str, float],
-    infos: list[dict[str, Any]],
-    repl_infos: list[dict[str, Any]],
-    puts: int,
-) -> None:
-    """Replication against RS: memory and network per host from the daemons' counters, times."""
+def _compare(rec: Recorder, med: dict[str, float], rs_scheme: str, repl_scheme: str) -> None:
+    """Replication against RS: memory and network per step summed over hosts (from the ``bytes``
+    records of the two schemes), and the times."""
 
-    def per_step(infos: list[dict[str, Any]], key: str) -> float:
+    def total(scheme: str, *keys: str) -> float:
         return float(
-            sum(i[key] / (len(i["protected"]) if key != "sent_bytes" else puts) for i in infos)
+            sum(
+                r[key]
+                for r in rec.records
+                if r["kind"] == "bytes" and r["scheme"] == scheme
+                for key in keys
+            )
         )
 
-    held = {
-        name: per_step(x, "data_bytes") + per_step(x, "parity_bytes")
-        for name, x in (("rs", infos), ("repl", repl_infos))
-    }
+    held = ("blob_bytes", "parity_bytes_per_step")
     pairs = [
-        ("memory held per step (data + redundancy)", held["repl"], held["rs"]),
+        (
+            "memory held per step (data + redundancy)",
+            total(repl_scheme, *held),
+            total(rs_scheme, *held),
+        ),
         (
             "network bytes sent per step",
-            per_step(repl_infos, "sent_bytes"),
-            per_step(infos, "sent_bytes"),
+            total(repl_scheme, "sent_bytes_per_step"),
+            total(rs_scheme, "sent_bytes_per_step"),
         ),
     ]
     for what in (
