@@ -7,10 +7,14 @@ machine drift hits every contender alike:
 - ecsnap ``put``: all ranks at once; put->staged (what the training loop waits for) and
   put->protected (parity stored on peers), the slowest rank counted;
 - the floor: the same state copied with 2 threads into pre-faulted shared memory;
-- ``torch.save`` to /dev/shm and to disk (with fsync), and ``torch.load`` back;
+- ``torch.save`` to /dev/shm and to disk (with fsync), and ``torch.load`` back: from /dev/shm in
+  a fresh process (what a restarted trainer pays, the baseline of the get targets), in this
+  process (whose warm heap hands freed pages back without faults: 4x faster, not what a restart
+  sees), and in HOSTS fresh processes at once, one shard each;
 - DCP ``async_save`` with a FileSystemWriter to /dev/shm: its blocking time and its time until
   written; DCP ``save`` and ``load`` with FileSystemWriter/Reader on /dev/shm;
-- ecsnap local ``get`` (a trainer restarting on its own host), the slowest rank counted.
+- ecsnap local ``get`` (every page touched), the slowest rank counted: in the running trainers,
+  and in a fresh process per rank that connects and gets (a trainer restarted after a crash).
 
 Then host loss, 1-3 times: the storage job is killed, one host's memory wiped, the job relaunched.
 The replacement rebuilds the newest step from its group before the daemons serve (timed by the
@@ -108,13 +112,7 @@ def worker(spec: dict[str, Any]) -> None:
                 touched += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
             out = {"get": t_get, "get_touched": time.perf_counter() - t0}
             if cmd.get("verify"):
-                out["exact"] = all(
-                    torch.equal(
-                        got[k].view(torch.uint8) if got[k].dtype == torch.bfloat16 else got[k],
-                        v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
-                    )
-                    for k, v in state.items()
-                )
+                out["exact"] = _equal(got, state)
             del got
         elif cmd["op"] == "info":
             out = store.info()
@@ -124,11 +122,84 @@ def worker(spec: dict[str, Any]) -> None:
     store.close()
 
 
+def fresh(spec: dict[str, Any]) -> None:
+    """A new process, as after a crash: a restarted trainer's ``get`` or a ``torch.load``.
+
+    It imports what it needs, says ready, and starts on the next line of stdin, so that several
+    start together and no import is timed. ``get`` times connect + get + touching every page,
+    then (with ``verify``) compares with the state its rank put; ``load`` times torch.load.
+    """
+    import storage
+
+    expected = None
+    if spec.get("verify"):
+        expected = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    if spec["op"] == "load":
+        loaded = torch.load(spec["path"], weights_only=True)
+        print(json.dumps({"load": time.perf_counter() - t0}), flush=True)
+        del loaded
+        return
+    store = storage.connect(
+        spec["job"],
+        rank=spec["rank"],
+        world_size=spec["world"],
+        host=spec["host"],
+        root=spec["root"],
+        timeout=60,
+    )
+    got = store.get(spec["step"])
+    for t in got.values():
+        int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    out: dict[str, Any] = {"get_touched": time.perf_counter() - t0}
+    if expected is not None:
+        out["exact"] = _equal(got, expected)
+    del got
+    store.close()
+    print(json.dumps(out), flush=True)
+
+
+def _equal(got: dict[str, Any], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(
+        torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items()
+    )
+
+
+def run_fresh(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Start one :func:`fresh` process per spec, let them all go at once, return their results."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.store", "--fresh", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        for spec in specs
+    ]
+    try:
+        for p in procs:
+            Workers._read(p)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return [Workers._read(p) for p in procs]
+    finally:
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 class Workers:
     def __init__(self, job: str, root: Path, nbytes: int, ntensors: int) -> None:
-        self.procs = []
-        for rank in range(HOSTS):
-            spec = {
+        self.specs = [
+            {
                 "job": job,
                 "root": str(root),
                 "rank": rank,
@@ -137,15 +208,18 @@ class Workers:
                 "nbytes": nbytes // HOSTS,
                 "ntensors": max(ntensors // HOSTS, 1),
             }
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "bench.store", "--worker", json.dumps(spec)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    cwd=Path(__file__).resolve().parent.parent,
-                )
+            for rank in range(HOSTS)
+        ]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.store", "--worker", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).resolve().parent.parent,
             )
+            for spec in self.specs
+        ]
         self.ready = [self._read(p) for p in self.procs]
 
     @staticmethod
@@ -196,16 +270,29 @@ def _floor(state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor) -
     return time.perf_counter() - t0
 
 
-def _torch_save_load(state: dict[str, torch.Tensor], path: Path) -> tuple[float, float]:
+def _torch_save_load(state: dict[str, torch.Tensor], directory: Path) -> dict[str, float]:
+    """torch.save to ``directory`` and torch.load back: in this process, whose heap is warm
+    (freed pages come back without faults), and in a fresh process, as a restarted trainer
+    would; then the state in HOSTS shards, each loaded by its own fresh process at once."""
+    path = directory / "state.pt"
     t0 = time.perf_counter()
     torch.save(state, path)
-    t_save = time.perf_counter() - t0
+    out = {"torch_save_shm": time.perf_counter() - t0}
     t0 = time.perf_counter()
     loaded = torch.load(path, weights_only=True)
-    t_load = time.perf_counter() - t0
+    out["torch_load_shm_warm_heap"] = time.perf_counter() - t0
     del loaded
+    out["torch_load_shm"] = run_fresh([{"op": "load", "path": str(path)}])[0]["load"]
     path.unlink()
-    return t_save, t_load
+    names = list(state)
+    shards = [directory / f"shard{i}.pt" for i in range(HOSTS)]
+    for i, shard in enumerate(shards):
+        torch.save({n: state[n] for n in names[i::HOSTS]}, shard)
+    loads = run_fresh([{"op": "load", "path": str(shard)} for shard in shards])
+    out["torch_load_shm_sharded"] = max(r["load"] for r in loads)
+    for shard in shards:
+        shard.unlink()
+    return out
 
 
 def _dcp_async(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, float]:
@@ -269,13 +356,17 @@ def _phase(
             step = r + 1
             puts = workers.all({"op": "put", "step": step})
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
-            if r == 0 and not all(g.get("exact") for g in got):
+            restarted = run_fresh(
+                [{**spec, "op": "get", "step": step, "verify": r == 0} for spec in workers.specs]
+            )
+            if r == 0 and not all(g.get("exact") for g in got + restarted):
                 raise AssertionError(f"{label} get returned different bytes than were put")
             measured = {
                 f"{label}_put_return": max(p["return"] for p in puts),
                 f"{label}_put_staged": max(p["staged"] for p in puts),
                 f"{label}_put_protected": max(p["protected"] for p in puts),
                 f"{label}_get_local": max(g["get_touched"] for g in got),
+                f"{label}_get_restarted_trainer": max(g["get_touched"] for g in restarted),
                 **in_process(r),
             }
             if r >= warmup:
@@ -409,7 +500,7 @@ def run(
 
     def alternatives(r: int) -> dict[str, float]:
         out = {"floor_copy_2threads": _floor(state, floor_buf, pool)}
-        out["torch_save_shm"], out["torch_load_shm"] = _torch_save_load(state, root / "state.pt")
+        out.update(_torch_save_load(state, root))
         out["torch_save_disk"], out["torch_load_disk"] = _torch_disk(state)
         out["dcp_async_save_blocking"], out["dcp_async_save_done"] = _dcp_async(
             state, root / f"dcp-async-{r}"
@@ -472,12 +563,23 @@ def run(
             ">= 2.0",
         ),
         (
-            "torch.load /dev/shm / local get",
-            med["torch_load_shm"] / med["ecsnap_get_local"],
+            "torch.load /dev/shm, fresh process / get in a restarted trainer",
+            med["torch_load_shm"] / med["ecsnap_get_restarted_trainer"],
             ">= 8.0",
         ),
         (
-            "torch.load /dev/shm / get of a lost host's shard (rebuild of the newest step + get)",
+            "torch.load /dev/shm, one fresh process per shard / get in a restarted trainer",
+            med["torch_load_shm_sharded"] / med["ecsnap_get_restarted_trainer"],
+            None,
+        ),
+        (
+            "torch.load /dev/shm, warm heap / get in a running trainer",
+            med["torch_load_shm_warm_heap"] / med["ecsnap_get_local"],
+            None,
+        ),
+        (
+            "torch.load /dev/shm, fresh process / get of a lost host's shard "
+            "(rebuild of the newest step + get)",
             med["torch_load_shm"] / med["ecsnap_rebuild_newest_plus_get_lost_host"],
             ">= 2.0",
         ),
@@ -549,6 +651,7 @@ def _compare(rec: Recorder, med: dict[str, float], rs_scheme: str, repl_scheme: 
         "put_staged",
         "put_protected",
         "get_local",
+        "get_restarted_trainer",
         "rebuild_newest_step_one_host",
         "rebuild_all_steps_one_host",
         "get_lost_host",
@@ -592,9 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         help="then the same daemons keeping this many full copies, RS(1, r-1) (1: skip)",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
+        return 0
+    if args.fresh:
+        fresh(json.loads(args.fresh))
         return 0
     run(
         quick=args.quick,
