@@ -4,6 +4,7 @@ through :mod:`storage.dcp`. Imported by ``_trainer`` for its ``dcp_*`` scenarios
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -22,6 +23,15 @@ def _init(rank: int, world: int, p: dict[str, Any]) -> Any:
     os.environ["MASTER_PORT"] = str(p["port"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return init_device_mesh("cpu", (world,))
+
+
+def _leave() -> None:
+    """Leave the process group. Ranks first wait for each other (unless one is failing), so that
+    none tears its gloo connections down while a peer still uses them: that aborted a loading
+    rank once ("terminate called without an active exception", SIGABRT)."""
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def full_state(version: int) -> dict[str, Any]:
@@ -102,7 +112,7 @@ def dcp_save(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str
         fut.result()
         steps = store.steps()
     finally:
-        dist.destroy_process_group()
+        _leave()
     return {"steps": steps, "staged_at_return": staged_at_return}
 
 
@@ -121,7 +131,7 @@ def dcp_load(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str
             if bad:
                 wrong[str(step)] = bad
     finally:
-        dist.destroy_process_group()
+        _leave()
     return {"wrong": wrong}
 
 
@@ -165,7 +175,7 @@ def fsdp_save(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[st
         dcp.save(state, storage_writer=SnapshotWriter(store, p["step"]))
         expect = _full(state)
     finally:
-        dist.destroy_process_group()
+        _leave()
     return {"expect": expect if rank == 0 else None}
 
 
@@ -187,7 +197,7 @@ def fsdp_load(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[st
             {"model": get_state_dict(model, opt)[0], "optim": get_state_dict(model, opt)[1]}
         )
     finally:
-        dist.destroy_process_group()
+        _leave()
     expect = p["expect"]
     wrong = sorted(k for k in expect if got.get(k) != expect[k])
     return {"wrong": wrong, "compared": len(expect)}
