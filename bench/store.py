@@ -17,9 +17,9 @@ machine drift hits every contender alike:
   and in a fresh process per rank that connects and gets (a trainer restarted after a crash).
 
 Then host loss, 1-3 times: the storage job is killed, one host's memory wiped, the job relaunched.
-The replacement rebuilds the newest step's data from its group before the daemons serve (timed by
-the daemon), then every rank reads it back (checked bit-exact); its parity and older steps are
-rebuilt after, and the run waits for health "healthy" to time the rebuild of all of them.
+The replacement rebuilds the newest step from its group before the daemons serve (timed by the
+daemon), then every rank reads it back (checked bit-exact); older steps are rebuilt after, and the
+run waits for health "healthy" to time the rebuild of all of them.
 
 Then the daemons' byte counters: parity held and bytes sent per host against the host's blob.
 
@@ -392,7 +392,7 @@ def _phase(
             got = workers.all({"op": "get", "step": last, "verify": True})
             if not all(g.get("exact") for g in got):
                 raise AssertionError(f"{label} get after a rebuild returned different bytes")
-            # the newest step's data is rebuilt before the daemons serve, the rest after: wait
+            # the newest step is rebuilt before the daemons serve; older ones after: wait for all
             deadline = time.monotonic() + 300
             while (after := workers.all({"op": "info"}))[lost]["health"] != "healthy":
                 if time.monotonic() > deadline:

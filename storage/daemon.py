@@ -326,25 +326,20 @@ class Daemon:
             self.degraded_stripes = self._degraded(list(erasures.items()))
             self._write_health()
         t1 = time.monotonic()
-        # The data chunks of the newest step that can be rebuilt are rebuilt before serving
-        # (they are what a restarting trainer reads); steps that cannot are marked lost now
-        # (cheap). The rest goes to the background, one step per round, the same queue on
-        # every daemon: that step's parity first, then older steps.
+        # The newest step that can be rebuilt is rebuilt before serving (it is what a restarting
+        # trainer reads); steps that cannot are marked lost now (cheap); older ones are rebuilt
+        # in the background, one per round, the same queue on every daemon. The newest step's
+        # parity is rebuilt before serving too: deferring it served 25% sooner (0.71 s against
+        # 0.94 s for 1.5 GB, RS(3,1)), but a second loss in the group right after the relaunch
+        # then lost the newest step (tried and measured).
         rebuilt_one = False
         for step in sorted(erasures, reverse=True):
             rec = self.catalog.steps[step]
-            erased = erasures[step]
-            if self._lost_slots(rec, erased):
-                self._repair(rec, erased)  # marks it lost
-            elif rebuilt_one:
-                self.deferred_repairs.append((step, erased))
-            else:
-                if any(e.data for e in erased.values()):
-                    self._repair(rec, erased, data_only=True)
-                parity = {sl: Erasures(parity=set(e.parity)) for sl, e in erased.items()}
-                if any(parity.values()) and rec.state == "protected":
-                    self.deferred_repairs.append((step, parity))
-                rebuilt_one = rec.state == "protected"
+            if rebuilt_one and not self._lost_slots(rec, erasures[step]):
+                self.deferred_repairs.append((step, erasures[step]))
+                continue
+            self._repair(rec, erasures[step])
+            rebuilt_one = rebuilt_one or rec.state == "protected"
         self.stats["startup_rebuild_seconds"] = time.monotonic() - t1
         if self.trace:
             _log(
@@ -704,11 +699,10 @@ class Daemon:
                 lost |= {s for s, e in erased.items() if s in g.slots and e}
         return lost
 
-    def _repair(self, rec: StepRec, erased: dict[int, Erasures], data_only: bool = False) -> None:
+    def _repair(self, rec: StepRec, erased: dict[int, Erasures]) -> None:
         """Rebuild the erased chunks of ``rec`` from their stripes (collective: every daemon calls
         this for the same step with the same ``erased``). More than m erasures in any stripe make
-        the step lost instead. With ``data_only``, the erased parity chunks are left for later
-        (and read from by no one)."""
+        the step lost instead."""
         t0 = time.monotonic()
         lost_slots = self._lost_slots(rec, erased)
         if lost_slots:
@@ -740,7 +734,7 @@ class Daemon:
                 buf = self.pool.take(nbytes, f"r{rank}-")
                 rec.shards[rank].buffer = buf.name
                 changed.setdefault("buffers", {})[str(rank)] = buf.name
-        if mine.parity and not data_only:
+        if mine.parity:
             n = len(layout.parity_stripes[pos])
             name = rec.parity.get(self.slot)
             if name is None or self._file(name, n * cb) is None:
@@ -752,11 +746,7 @@ class Daemon:
         self.links.barrier(f"repair of step {rec.step} (files ready)")
         self._fault("rebuilding")
         window = self.config.window
-        targets = {
-            s: [e for e in erased_idx if e < k or not data_only]
-            for s, (erased_idx, _) in plan.stripes.items()
-        }
-        stripes = sorted(s for s, t in targets.items() if t)
+        stripes = sorted(plan.stripes)
         rebuilt = 0
         t_wait = t_dec = 0.0
         t_start = time.monotonic()
@@ -767,7 +757,7 @@ class Daemon:
             reqs: list[Any] = []
             jobs = []
             for b, s in enumerate(batch):
-                erased_idx, sources = targets[s], plan.stripes[s][1]
+                erased_idx, sources = plan.stripes[s]
                 decoders = sorted({holder(layout, s, e) for e in erased_idx})
                 staged = None
                 for d in decoders:
@@ -839,7 +829,7 @@ class Daemon:
             # Check what was rebuilt here. Never raise: every daemon ran this repair in step,
             # and one that dies here would take the job down; a reader retries, then fails.
             left = self._verify(rec)
-            bad = Erasures(left.data & mine.data, set() if data_only else left.parity & mine.parity)
+            bad = Erasures(left.data & mine.data, left.parity & mine.parity)
             if bad:
                 _log(self.host, f"step {rec.step}: rebuilt chunks fail their checksums: {bad}")
         self.stats["rebuilt_chunks"] += rebuilt

@@ -16,10 +16,8 @@ A relaunched storage job (``mpiexec -n H ecsnap serve`` with the same arguments)
    with more than m erasures makes the step unrecoverable, and the step is reported as lost, with
    the hosts and ranks that cannot be rebuilt.
 
-The data chunks of the newest step are rebuilt at start-up, before the daemons serve trainers
-(what a restarting trainer reads, and all it waits for); that step's parity and the older steps are
-rebuilt right after, one step per engine round, until redundancy is whole again (health
-"rebuilding", then "healthy"). The same repair runs while serving when a read finds a bad chunk.
+Rebuild happens at start-up, before the daemons serve trainers, so redundancy is whole again
+before anything new is written; the same repair runs while serving when a read finds a bad chunk.
 Steps that were being written when the job died have no manifest: their files are deleted.
 
 This module is pure (no MPI): the daemon moves the bytes.
