@@ -9,8 +9,9 @@ machine drift hits every contender alike:
 - the floor: the same state copied with 2 threads into pre-faulted shared memory;
 - ``torch.save`` to /dev/shm and to disk (with fsync), and ``torch.load`` back: from /dev/shm in
   a fresh process (what a restarted trainer pays, the baseline of the get targets), in this
-  process (whose warm heap hands freed pages back without faults: 4x faster, not what a restart
-  sees), and in HOSTS fresh processes at once, one shard each;
+  process (whose heap may hand freed pages back without faults: from 0.26 s to 2.7 s for 1.5 GB
+  across runs here, so not what a restart sees), and in HOSTS fresh processes at once, one shard
+  each;
 - DCP ``async_save`` with a FileSystemWriter to /dev/shm: its blocking time and its time until
   written; DCP ``save`` and ``load`` with FileSystemWriter/Reader on /dev/shm;
 - ecsnap local ``get`` (every page touched), the slowest rank counted: in the running trainers,
