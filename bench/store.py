@@ -136,7 +136,8 @@ def fresh(spec: dict[str, Any]) -> None:
     if spec.get("verify"):
         expected = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
     print(json.dumps({"ready": True}), flush=True)
-    sys.stdin.readline()
+    if not sys.stdin.readline():
+        return  # the benchmark gave up before the start (another process failed)
     t0 = time.perf_counter()
     if spec["op"] == "load":
         loaded = torch.load(spec["path"], weights_only=True)
@@ -190,6 +191,9 @@ def run_fresh(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [Workers._read(p) for p in procs]
     finally:
         for p in procs:
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None:
+                    pipe.close()
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:

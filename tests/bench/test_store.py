@@ -1,0 +1,36 @@
+"""The parts of ``ecsnap bench store`` that decide what is compared (the run itself is too big
+for CI: ``ecsnap bench store --quick``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from bench.store import _equal, make_state, run_fresh
+
+
+def test_equal_is_bit_exact() -> None:
+    state = make_state(64 << 10, 4, seed=1)
+    same = {k: v.clone() for k, v in state.items()}
+    assert _equal(same, state)
+    flipped = {k: v.clone() for k, v in state.items()}
+    bf16 = next(k for k, v in flipped.items() if v.dtype == torch.bfloat16)
+    flipped[bf16].view(torch.uint8).view(-1)[7] ^= 1  # one bit, in a bf16 tensor
+    assert not _equal(flipped, state)
+    assert not _equal({k: v for k, v in same.items() if k != bf16}, state)
+
+
+def test_fresh_processes_load_what_was_saved(tmp_path: Path) -> None:
+    state = make_state(256 << 10, 4, seed=2)
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    results = run_fresh([{"op": "load", "path": str(path)}] * 2)
+    assert len(results) == 2 and all(r["load"] > 0 for r in results)
+    path.unlink()  # a process that loads nothing fails its run, not a silent zero
+    try:
+        run_fresh([{"op": "load", "path": str(path)}])
+    except RuntimeError as exc:
+        assert "exited" in str(exc)
+    else:
+        raise AssertionError("a fresh process that failed to load was not reported")
