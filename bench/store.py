@@ -253,6 +253,10 @@ class Workers:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[str]:
