@@ -80,11 +80,10 @@ def _nbytes(state: dict[str, torch.Tensor]) -> int:
 # -- the trainer side (one process per rank) ------------------------------------------------------
 
 
-def worker(spec: dict[str, Any]) -> None:
+def _connect(spec: dict[str, Any]) -> Any:
     import storage
 
-    state = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
-    store = storage.connect(
+    return storage.connect(
         spec["job"],
         rank=spec["rank"],
         world_size=spec["world"],
@@ -92,6 +91,17 @@ def worker(spec: dict[str, Any]) -> None:
         root=spec["root"],
         timeout=60,
     )
+
+
+def _touch(state: dict[str, torch.Tensor]) -> None:
+    """Read one byte per page: every byte of a mapped state is then mapped in."""
+    for t in state.values():
+        int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+
+
+def worker(spec: dict[str, Any]) -> None:
+    state = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
+    store = _connect(spec)
     print(json.dumps({"ready": True, "nbytes": _nbytes(state)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -108,9 +118,7 @@ def worker(spec: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             got = store.get(cmd["step"])
             t_get = time.perf_counter() - t0
-            touched = 0
-            for t in got.values():  # read one byte per page: every byte is then mapped in
-                touched += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+            _touch(got)
             out = {"get": t_get, "get_touched": time.perf_counter() - t0}
             if cmd.get("verify"):
                 out["exact"] = _equal(got, state)
@@ -130,8 +138,6 @@ def fresh(spec: dict[str, Any]) -> None:
     start together and no import is timed. ``get`` times connect + get + touching every page,
     then (with ``verify``) compares with the state its rank put; ``load`` times torch.load.
     """
-    import storage
-
     expected = None
     if spec.get("verify"):
         expected = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
@@ -144,17 +150,9 @@ def fresh(spec: dict[str, Any]) -> None:
         print(json.dumps({"load": time.perf_counter() - t0}), flush=True)
         del loaded
         return
-    store = storage.connect(
-        spec["job"],
-        rank=spec["rank"],
-        world_size=spec["world"],
-        host=spec["host"],
-        root=spec["root"],
-        timeout=60,
-    )
+    store = _connect(spec)
     got = store.get(spec["step"])
-    for t in got.values():
-        int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    _touch(got)
     out: dict[str, Any] = {"get_touched": time.perf_counter() - t0}
     if expected is not None:
         out["exact"] = _equal(got, expected)
@@ -169,36 +167,52 @@ def _equal(got: dict[str, Any], want: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def _spawn(role: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
+    """``python -m bench.store --<role> SPEC``, talking JSON lines over its stdin and stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.store", f"--{role}", json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError(f"bench worker exited with {p.wait()}")
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def _end(p: subprocess.Popen[str], timeout: float) -> None:
+    """Close its pipes (a process still waiting for a line reads EOF) and reap it."""
+    for pipe in (p.stdin, p.stdout):
+        if pipe is not None:
+            pipe.close()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 def run_fresh(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Start one :func:`fresh` process per spec, let them all go at once, return their results."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "bench.store", "--fresh", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-        for spec in specs
-    ]
+    procs = [_spawn("fresh", spec) for spec in specs]
     try:
         for p in procs:
-            Workers._read(p)
+            _read(p)
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
-        return [Workers._read(p) for p in procs]
+        return [_read(p) for p in procs]
     finally:
         for p in procs:
-            for pipe in (p.stdin, p.stdout):
-                if pipe is not None:
-                    pipe.close()
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            _end(p, 60)
 
 
 class Workers:
@@ -215,48 +229,23 @@ class Workers:
             }
             for rank in range(HOSTS)
         ]
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.store", "--worker", json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=Path(__file__).resolve().parent.parent,
-            )
-            for spec in self.specs
-        ]
-        self.ready = [self._read(p) for p in self.procs]
-
-    @staticmethod
-    def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench worker exited with {p.wait()}")
-        result: dict[str, Any] = json.loads(line)
-        return result
+        self.procs = [_spawn("worker", spec) for spec in self.specs]
+        self.ready = [_read(p) for p in self.procs]
 
     def all(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.write(json.dumps(cmd) + "\n")
             p.stdin.flush()
-        return [self._read(p) for p in self.procs]
+        return [_read(p) for p in self.procs]
 
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None and p.stdin is not None:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                p.stdin.close()
+                p.stdin.flush()
         for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            for pipe in (p.stdin, p.stdout):
-                if pipe is not None:
-                    pipe.close()
+            _end(p, 30)
 
 
 def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[str]:
