@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+import storage
 from bench._common import Recorder, exit_on_sigterm, table
 
 HOSTS = 4
@@ -81,8 +82,6 @@ def _nbytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def _connect(spec: dict[str, Any]) -> Any:
-    import storage
-
     return storage.connect(
         spec["job"],
         rank=spec["rank"],
@@ -134,9 +133,10 @@ def worker(spec: dict[str, Any]) -> None:
 def fresh(spec: dict[str, Any]) -> None:
     """A new process, as after a crash: a restarted trainer's ``get`` or a ``torch.load``.
 
-    It imports what it needs, says ready, and starts on the next line of stdin, so that several
-    start together and no import is timed. ``get`` times connect + get + touching every page,
-    then (with ``verify``) compares with the state its rank put; ``load`` times torch.load.
+    It imports what it needs (this module imports torch and storage), says ready, and starts
+    on the next line of stdin, so that several start together and no import is timed. ``get``
+    times connect + get + touching every page, then (with ``verify``) compares with the state
+    its rank put; ``load`` times torch.load.
     """
     expected = None
     if spec.get("verify"):
