@@ -269,9 +269,10 @@ def _floor(state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor) -
 
 
 def _torch_save_load(state: dict[str, torch.Tensor], directory: Path) -> dict[str, float]:
-    """torch.save to ``directory`` and torch.load back: in this process, whose heap is warm
-    (freed pages come back without faults), and in a fresh process, as a restarted trainer
-    would; then the state in HOSTS shards, each loaded by its own fresh process at once."""
+    """torch.save to ``directory`` and torch.load back: in this process (whose heap may or may
+    not hand freed pages back without faults, see the module docstring), and in a fresh
+    process, as a restarted trainer would; then the state in HOSTS shards, each loaded by its
+    own fresh process at once."""
     path = directory / "state.pt"
     t0 = time.perf_counter()
     torch.save(state, path)
