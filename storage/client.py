@@ -177,10 +177,11 @@ class Store:
                 reply = conn.request(message)
             else:
                 with self._lock:
-                    if self._unleases and message.get("op") != "unlease":
-                        names, self._unleases[:] = list(self._unleases), []
-                        self._conn.request({"op": "unlease", "buffers": names})
                     try:
+                        if self._unleases and message.get("op") != "unlease":
+                            # leases live as long as their daemon: if it is gone, so are they
+                            names, self._unleases[:] = list(self._unleases), []
+                            self._conn.request({"op": "unlease", "buffers": names})
                         reply = self._conn.request(message)
                     except (OSError, ProtocolError):
                         reply = None

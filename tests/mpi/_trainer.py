@@ -5,6 +5,7 @@ Runs the named scenario against the real daemons and prints one JSON line of res
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -188,6 +189,10 @@ def interactive(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[
         outcome = f"failed: {exc}"
     waited = time.monotonic() - t0
     sys.stdin.readline()  # the daemons are back
+    assert_same(store.get(1), state)
+    gc.collect()  # that get's views are gone: its lease is given back with the next request
+    print("AGAIN", flush=True)
+    sys.stdin.readline()  # relaunched once more: the lease died with the daemon that granted it
     assert_same(store.get(1), state)
     return {"outcome": outcome, "waited": waited, "steps": store.steps()}
 

@@ -223,6 +223,11 @@ def test_put_in_flight_fails_and_clients_reconnect(shm_root: Path) -> None:
         c = _relaunch(c, k=1, m=1)
         helper.stdin.write("go\n")
         helper.stdin.flush()
+        assert helper.stdout.readline().strip() == "AGAIN"
+        c.kill()
+        c = _relaunch(c, k=1, m=1)
+        helper.stdin.write("go\n")
+        helper.stdin.flush()
         out, err = helper.communicate(timeout=120)
         assert helper.returncode == 0, err
         result = json.loads(out.strip().splitlines()[-1])
