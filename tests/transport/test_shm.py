@@ -1,0 +1,79 @@
+"""Shared-memory files: a new buffer is mapped page by page before anyone writes to it."""
+
+from __future__ import annotations
+
+import mmap
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from transport import shm
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="ecsnap-test-shm-") as d:
+        yield Path(d)
+
+
+def _resident(path: Path) -> int:
+    """Bytes of ``path``'s mapping in this process that have page-table entries (smaps Rss)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefault_maps_every_page(shm_dir: Path, threads: int) -> None:
+    size = 3 * 64 * MIB + 5000  # three pieces, the last one page-unaligned
+    path = shm_dir / "buf"
+    f = shm.create(path, size, prefault_pages=False)
+    try:
+        assert _resident(path) < size // 100  # nothing mapped yet
+        shm.prefault(f.array, threads=threads)
+        assert _resident(path) == _pages(size)
+        assert not f.array.any()  # it wrote zeros over zeros
+    finally:
+        f.close()
+
+
+def test_prefault_of_an_unaligned_view_maps_all_of_it(shm_dir: Path) -> None:
+    size = 2 * 64 * MIB + 3 * mmap.PAGESIZE
+    path = shm_dir / "buf"
+    with path.open("wb") as out:  # the file holds 7s, written without mapping it
+        out.write(b"\x07" * size)
+    f = shm.MappedFile(path)
+    try:
+        view = f.array[100 : size - 100]  # starts and ends inside a page
+        shm.prefault(view, threads=2)
+        assert _resident(path) == _pages(size)
+        assert int(view[:: mmap.PAGESIZE].max()) == 0 and int(view[-1]) == 0  # one zero a page
+        assert int(view[1:-1].sum()) == 7 * (view.size - 2 - (view.size - 2) // mmap.PAGESIZE)
+        assert int(f.array[99]) == 7 and int(f.array[-1]) == 7  # outside the view: untouched
+    finally:
+        f.close()
+
+
+def test_create_prefaults_by_default_and_empty_files_are_fine(shm_dir: Path) -> None:
+    big = shm.create(shm_dir / "big", 130 * MIB)
+    empty = shm.create(shm_dir / "empty", 0)
+    try:
+        assert _resident(shm_dir / "big") == 130 * MIB
+        assert empty.size == 0 and empty.array.size == 0
+        shm.prefault(empty.array)
+    finally:
+        big.close()
+        empty.close()
