@@ -159,8 +159,9 @@ class Daemon:
         self.fetch_done: dict[str, dict[str, Any]] = {}
         self.repairs: list[dict[str, Any]] = []
         self.repairs_done: set[str] = set()  # ids of repairs run, for readers waiting on them
-        # buffers that trainers hold views of (by connection), and ones to free once they let go
-        self.leases: dict[str, set[int]] = {}
+        # buffers that trainers hold views of: name -> {connection: live gets}; and ones to free
+        # once they all let go. Counted: one connection may get the same shard twice and drop one.
+        self.leases: dict[str, dict[int, int]] = {}
         self.deferred: set[str] = set()
         self.hosts: list[str] = []  # by slot
         self.lock = threading.RLock()
@@ -457,7 +458,7 @@ class Daemon:
             (r, s.buffer, s.meta, s.nbytes) for r, s in rec.shards.items() if s.slot == self.slot
         ]
         for _, name, _, _ in mine:
-            self.leases.setdefault(name, set()).add(_PERSIST)  # kept past retention until written
+            self._lease(name, _PERSIST)  # kept past retention until written
         self._persister.submit(self._persist_step, rec.step, rec.world_size, mine)
 
     def _persist_step(
@@ -1477,7 +1478,7 @@ class Daemon:
                 bad = self._lost_chunks(rec, rank)
                 if not bad:
                     with self.lock:
-                        self.leases.setdefault(shard.buffer, set()).add(int(msg["_conn"]))
+                        self._lease(shard.buffer, int(msg["_conn"]))
                     return {
                         **out,
                         "path": str(self.pool.path(shard.buffer)),
@@ -1548,16 +1549,24 @@ class Daemon:
         return {}
 
     def _op_unlease(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The trainer dropped every view of these buffers: they may be reused."""
+        """The views of one get of each named buffer are gone (a name once per get; the buffer
+        may be reused when every lease on it has ended)."""
         with self.lock:
             for name in msg.get("buffers", []):
                 self._unlease(str(name), int(msg["_conn"]))
         return {}
 
-    def _unlease(self, name: str, conn: int) -> None:
+    def _lease(self, name: str, holder: int) -> None:
+        holders = self.leases.setdefault(name, {})
+        holders[holder] = holders.get(holder, 0) + 1
+
+    def _unlease(self, name: str, holder: int, every: bool = False) -> None:
+        """One of ``holder``'s leases on ``name`` ends (``every``: all of them)."""
         holders = self.leases.get(name)
-        if holders is not None:
-            holders.discard(conn)
+        if holders is not None and holder in holders:
+            holders[holder] -= 1
+            if every or not holders[holder]:
+                del holders[holder]
             if not holders:
                 del self.leases[name]
                 if name in self.deferred:
@@ -1568,7 +1577,7 @@ class Daemon:
         """A trainer went away: its views went with it, and so did the puts it was staging."""
         with self.lock:
             for name in [n for n, h in self.leases.items() if id(conn) in h]:
-                self._unlease(name, id(conn))
+                self._unlease(name, id(conn), every=True)
             for key in [k for k, c in self.pending_conn.items() if c == id(conn)]:
                 del self.pending_conn[key]
                 name = self.pending.pop(key, "")

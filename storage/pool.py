@@ -38,6 +38,10 @@ class Pool:
         self.budget = budget
         self.files: dict[str, Buffer] = {}
         self.free: set[str] = set()
+        # Shard buffers adopted from an earlier daemon. Trainers may still hold views that that
+        # daemon leased them; this one never heard of those leases. So such a buffer is deleted
+        # when freed, never reused: a view keeps its pages, and they never change.
+        self.adopted: set[str] = set()
         self.lock = threading.Lock()
         self._seq = 0
 
@@ -76,17 +80,23 @@ class Pool:
                     f"{self.budget} ({self.used} in use); raise the budget, lower --keep, or "
                     "delete old steps. Nothing stored was touched."
                 )
-            self._seq += 1
-            name = f"{prefix}{os.getpid()}-{self._seq}"
+            while True:
+                # A daemon relaunched with an earlier one's pid (a container's pids start over)
+                # would otherwise write over the files it adopts from it.
+                self._seq += 1
+                name = f"{prefix}{os.getpid()}-{self._seq}"
+                if name not in self.files and not self.path(name).exists():
+                    break
         try:
             if faults.ACTIVE and faults.hit("alloc", self.dir.name) == "enospc":
                 raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
-            f = shm.create(self.path(name), need)
+            f = shm.create(self.path(name), need, exclusive=True)
         except OSError as exc:
-            try:
-                self.path(name).unlink()
-            except FileNotFoundError:
-                pass
+            if not isinstance(exc, FileExistsError):  # not ours to delete
+                try:
+                    self.path(name).unlink()
+                except FileNotFoundError:
+                    pass
             raise CapacityError(f"cannot allocate {need} bytes of shared memory: {exc}") from exc
         buf = Buffer(name, f)
         with self.lock:
@@ -105,6 +115,8 @@ class Pool:
         buf = Buffer(name, f)
         with self.lock:
             self.files[name] = buf
+            if not name.startswith("p"):
+                self.adopted.add(name)
         return buf
 
     def _fits(self, extra: int) -> bool:
@@ -118,12 +130,15 @@ class Pool:
         if name is None:
             return
         with self.lock:
-            if name in self.files:
+            if name in self.adopted:
+                self._drop(name)
+            elif name in self.files:
                 self.free.add(name)
 
     def _drop(self, name: str) -> None:
         buf = self.files.pop(name)
         self.free.discard(name)
+        self.adopted.discard(name)
         buf.file.close()
         try:
             self.path(name).unlink()

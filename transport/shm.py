@@ -110,12 +110,19 @@ class MappedFile:
         self.close()
 
 
-def create(path: str | os.PathLike[str], size: int, *, prefault_pages: bool = True) -> MappedFile:
+def create(
+    path: str | os.PathLike[str],
+    size: int,
+    *,
+    prefault_pages: bool = True,
+    exclusive: bool = False,
+) -> MappedFile:
     """Create (or resize) ``path`` as a 0600 file of ``size`` bytes, map it and pre-fault it.
 
-    Raises ``OSError`` (ENOSPC) when the file system is full: /dev/shm is memory.
+    Raises ``OSError`` (ENOSPC) when the file system is full: /dev/shm is memory; with
+    ``exclusive``, ``FileExistsError`` if ``path`` exists.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0), 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)

@@ -5,6 +5,7 @@ Every read is compared bit for bit with the state that was put (regenerated from
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import subprocess
@@ -12,9 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import storage
 from storage.placement import Group, HostBlob, StripeLayout
 
 from ._cluster import REPO, Cluster
+from ._states import assert_same, make_state
 
 HOSTS = ["host0", "host1", "host2", "host3"]
 
@@ -281,4 +284,46 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
         )
         assert r["errors"] == {} and r["steps"] == [1, 2], r
     finally:
+        c.stop()
+
+
+def _stores(c: Cluster, world: int) -> list[storage.Store]:
+    """One in-process Store per rank, rank r on host r."""
+    return [
+        storage.connect(c.job, rank=r, world_size=world, host=c.host_names[r], root=c.root)
+        for r in range(world)
+    ]
+
+
+def _put_all(stores: list[storage.Store], step: int) -> None:
+    handles = [s.put(step, make_state(s.rank, step)) for s in stores]
+    for h in handles:
+        assert h.wait(60) == step
+
+
+def test_views_outlive_a_second_get_and_a_daemon_restart(shm_root: Path) -> None:
+    """A get's views never change while they live: not when another get of the same shard is
+    dropped, and not after the daemons restart (the new ones never heard of the lease) and the
+    step retires while new steps need memory (keep=2)."""
+    c = Cluster(shm_root, hosts=2, k=1, m=1)
+    stores = _stores(c, 2)
+    try:
+        _put_all(stores, 1)
+        first, second = stores[0].get(1), stores[0].get(1)
+        del first
+        gc.collect()  # its lease goes back with the next request; second's must stay
+        for step in (2, 3, 4):  # step 1 retires at 3; 4 takes a free buffer of its size
+            _put_all(stores, step)
+        assert stores[0].steps() == [3, 4]
+        assert_same(second, make_state(0, 1))
+        held = stores[1].get(4)
+        c.kill()
+        c = _relaunch(c, k=1, m=1)
+        for step in (5, 6, 7):  # step 4 retires at 6; 7 takes memory again
+            _put_all(stores, step)
+        assert stores[1].steps() == [6, 7]
+        assert_same(held, make_state(1, 4))
+    finally:
+        for s in stores:
+            s.close()
         c.stop()
