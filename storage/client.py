@@ -445,6 +445,8 @@ class Store:
 
         Puts whose steps are not protected yet keep going in the daemons; their ``protected``
         futures fail with :class:`DaemonUnavailableError` here, since this Store stops listening.
+        Views that :meth:`get` returned stay readable, but the daemon no longer keeps their memory
+        out of reuse once their step retires: copy what must outlive the Store.
         """
         if self._closed:
             return
