@@ -200,7 +200,8 @@ class Store:
 
     def _map(self, path: str, size: int) -> shm.MappedFile:
         mf = self._maps.get(path)
-        if mf is None or mf.size != size:
+        # a restarted daemon may have deleted that file and made another under its name
+        if mf is None or mf.size != size or not mf.current():
             if mf is not None:
                 if self._registry is not None:
                     self._registry.forget(mf.array)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ class Pool:
         self.adopted: set[str] = set()
         self.lock = threading.Lock()
         self._seq = 0
+        # in every name, so that no later daemon (even one with this pid) makes a name again
+        self._tag = secrets.token_hex(3)
 
     @property
     def used(self) -> int:
@@ -81,10 +84,11 @@ class Pool:
                     "delete old steps. Nothing stored was touched."
                 )
             while True:
-                # A daemon relaunched with an earlier one's pid (a container's pids start over)
-                # would otherwise write over the files it adopts from it.
+                # Never an existing file's name: a daemon relaunched with an earlier one's pid
+                # (a container's pids start over) wrote over the files it adopted from it. The
+                # tag makes that unlikely; this check and O_EXCL make it impossible.
                 self._seq += 1
-                name = f"{prefix}{os.getpid()}-{self._seq}"
+                name = f"{prefix}{os.getpid()}-{self._tag}-{self._seq}"
                 if name not in self.files and not self.path(name).exists():
                     break
         try:

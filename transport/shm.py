@@ -75,7 +75,9 @@ class MappedFile:
         self.path = Path(path)
         fd = os.open(self.path, os.O_RDWR)
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self._inode = (st.st_dev, st.st_ino)
+            actual = st.st_size
             self.size = actual if size is None else size
             if self.size > actual:
                 raise ValueError(f"{self.path} holds {actual} bytes, {self.size} expected")
@@ -92,6 +94,14 @@ class MappedFile:
         else:
             self.array = np.zeros(0, dtype=np.uint8)
         self._lock = threading.Lock()
+
+    def current(self) -> bool:
+        """Whether ``path`` still names the file this maps (not deleted, not made anew)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
 
     def close(self) -> None:
         with self._lock:

@@ -70,3 +70,13 @@ def test_a_relaunch_with_the_same_pid_never_writes_over_adopted_files(host_dir: 
     assert not {b.name for b in new} & {b.name for b in old}
     for i, b in enumerate(old):
         assert int(b.file.array.min()) == int(b.file.array.max()) == i + 1
+
+
+def test_names_are_never_made_again_by_a_later_daemon(host_dir: Path) -> None:
+    """A trainer caches its mapping of a buffer by path: a later daemon (same pid, as in a fresh
+    container) must not give a new file the name of one deleted before it started."""
+    first = Pool(host_dir, budget=None)
+    gone = first.take(1 << 20, "r0-")
+    first.drop(gone.name)
+    later = Pool(host_dir, budget=None)
+    assert later.take(1 << 20, "r0-").name != gone.name

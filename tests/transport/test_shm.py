@@ -77,3 +77,22 @@ def test_create_prefaults_by_default_and_empty_files_are_fine(shm_dir: Path) -> 
     finally:
         big.close()
         empty.close()
+
+
+def test_a_mapping_knows_when_its_path_names_another_file(shm_dir: Path) -> None:
+    """A cached mapping must not be reused once its file was deleted and the name made again."""
+    path = shm_dir / "buf"
+    old = shm.create(path, 1 << 20)
+    try:
+        assert old.current()
+        path.unlink()
+        assert not old.current()
+        new = shm.create(path, 1 << 20)
+        try:
+            new.array[:4] = 5
+            assert new.current() and not old.current()
+            assert int(old.array[0]) == 0  # the old mapping still holds the deleted file
+        finally:
+            new.close()
+    finally:
+        old.close()
