@@ -39,9 +39,9 @@ class Pool:
         self.budget = budget
         self.files: dict[str, Buffer] = {}
         self.free: set[str] = set()
-        # Shard buffers adopted from an earlier daemon. Trainers may still hold views that that
-        # daemon leased them; this one never heard of those leases. So such a buffer is deleted
-        # when freed, never reused: a view keeps its pages, and they never change.
+        # Shard buffers adopted from an earlier daemon. Trainers may still hold views under
+        # leases the earlier daemon granted, which this one never heard of. So such a buffer is
+        # deleted when freed, never reused: a view keeps its pages, and they never change.
         self.adopted: set[str] = set()
         self.lock = threading.Lock()
         self._seq = 0
