@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import storage
 from storage import launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,6 +100,15 @@ class Cluster:
                 )
             results.append(json.loads(out.strip().splitlines()[-1]))
         return results
+
+    def stores(self, world: int) -> list[storage.Store]:
+        """One Store in this process per rank, rank r on the r-th host."""
+        return [
+            storage.connect(
+                self.job, rank=r, world_size=world, host=self.host_names[r], root=self.root
+            )
+            for r in range(world)
+        ]
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -287,14 +287,6 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
         c.stop()
 
 
-def _stores(c: Cluster, world: int) -> list[storage.Store]:
-    """One in-process Store per rank, rank r on host r."""
-    return [
-        storage.connect(c.job, rank=r, world_size=world, host=c.host_names[r], root=c.root)
-        for r in range(world)
-    ]
-
-
 def _put_all(stores: list[storage.Store], step: int) -> None:
     handles = [s.put(step, make_state(s.rank, step)) for s in stores]
     for h in handles:
@@ -306,7 +298,7 @@ def test_views_outlive_a_second_get_and_a_daemon_restart(shm_root: Path) -> None
     dropped, and not after the daemons restart (the new ones never heard of the lease) and the
     step retires while new steps need memory (keep=2)."""
     c = Cluster(shm_root, hosts=2, k=1, m=1)
-    stores = _stores(c, 2)
+    stores = c.stores(2)
     try:
         _put_all(stores, 1)
         first, second = stores[0].get(1), stores[0].get(1)

@@ -125,10 +125,7 @@ def test_delete_and_protection_are_durable_when_acknowledged(shm_root: Path) -> 
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"])
     try:
         for round_ in range(3):
-            stores = [
-                storage.connect(c.job, rank=r, world_size=4, host=f"host{r}", root=shm_root)
-                for r in range(4)
-            ]
+            stores = c.stores(4)
             base = 10 * round_
             for step in (base + 1, base + 2):
                 hs = [s.put(step, state_of(r, step)) for r, s in enumerate(stores)]
