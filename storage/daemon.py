@@ -69,6 +69,10 @@ __all__ = ["Daemon", "main"]
 TAG_DATA, TAG_PARITY, TAG_FETCH, TAG_REPAIR = 11, 12, 13, 14
 
 
+# A bulk sender's sleep between polls. MPICH's shared-memory transfer needs the sender's progress
+# every few tens of microseconds: 3 ranks into 1 on 2 cores moved 9 GB/s napping 50 us, 5 GB/s
+# spinning (which takes the receiver's cores) and 1.2 GB/s sleeping 2 ms (measured).
+_SENDER_NAP = 5e-5
 _PERSIST = -1  # the lease the persister holds on a buffer it writes (connections are > 0)
 
 
@@ -746,65 +750,18 @@ class Daemon:
         # per 375 MB): busy senders sharing its cores made that 5-10x slower (measured).
         self.links.barrier(f"repair of step {rec.step} (files ready)")
         self._fault("rebuilding")
-        # Tried and measured: decoding window i in a second thread while window i + 1 arrives
-        # (two half-size sets of rows). On 2 cores shared by 4 daemons it gained nothing: the
-        # decode ran 2x slower beside the polling senders (1.5 GB, RS(3,1), 18 rebuilds). A host
-        # with cores of its own should hide the decode that way (~0.2 s of ~1 s).
-        window = self.config.window
+        # Windows of half the exchange window, decoded by a second thread while the next one
+        # arrives: two sets of receive rows, the same memory as one full window. The senders nap
+        # between polls, so the decode has a core to itself (it did not while they spun).
+        window = max(1, self.config.window // 2)
         stripes = sorted(plan.stripes)
         rebuilt = 0
-        t_wait = t_dec = 0.0
+        t_wait = 0.0
+        t_dec = [0.0]
         t_start = time.monotonic()
-        for w0 in range(0, len(stripes), window):
-            batch = stripes[w0 : w0 + window]
-            scratch = self._scratch_for("repair", window * (k + 1))
-            outbox = self._scratch_for("send", window)
-            reqs: list[Any] = []
-            jobs = []
-            for b, s in enumerate(batch):
-                erased_idx, sources = plan.stripes[s]
-                decoders = sorted({holder(layout, s, e) for e in erased_idx})
-                staged = None
-                for d in decoders:
-                    avail: dict[int, Any] = {}
-                    for a_i, a in enumerate(sources):
-                        h = holder(layout, s, a)
-                        view = None
-                        if a < k and layout.data_chunk(s, a) is None:
-                            if d == pos:
-                                avail[a] = zeros(cb)
-                            continue
-                        if h == pos:
-                            view = self._stripe_chunk(rec, layout, s, a)
-                        if d == pos:
-                            row = scratch[b * (k + 1) + a_i]
-                            if h == pos:
-                                assert view is not None
-                                if view.nbytes == cb:
-                                    row = view  # whole: decode from the file in place
-                                else:
-                                    row[: view.nbytes] = view
-                                    row[view.nbytes :] = 0
-                            else:
-                                length = self._chunk_length(rec, layout, s, a)
-                                row[length:] = 0
-                                reqs += self.links.irecv(
-                                    row[:length], self.rank_of[g.slots[h]], TAG_REPAIR
-                                )
-                            avail[a] = row
-                        elif h == pos:
-                            assert view is not None
-                            if staged is None:
-                                staged = outbox[b, : view.nbytes]
-                                staged[:] = view
-                            reqs += self.links.isend(staged, self.rank_of[g.slots[d]], TAG_REPAIR)
-                    if d == pos:
-                        target = next(e for e in erased_idx if holder(layout, s, e) == pos)
-                        jobs.append((s, b, target, avail))
-            tw = time.monotonic()
-            self.links.wait(reqs, f"repair of step {rec.step}", busy=True)
-            t_wait += time.monotonic() - tw
-            tw = time.monotonic()
+
+        def decode(jobs: list[tuple[int, int, int, dict[int, Any]]], scratch: Any) -> None:
+            t = time.monotonic()
             for s, b, target, avail in jobs:
                 dest = self._stripe_chunk(rec, layout, s, target)
                 if dest.nbytes == cb:
@@ -813,14 +770,37 @@ class Daemon:
                     out = scratch[b * (k + 1) + k]
                     rs.decode_into(avail, {target: out})
                     dest[:] = out[: dest.nbytes]
-                rebuilt += 1
-                self.stats["decode_bytes"] += k * cb
-            t_dec += time.monotonic() - tw
+            t_dec[0] += time.monotonic() - t
+
+        decoding: Future[None] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="ecsnap-decode") as decoder:
+            for wi, w0 in enumerate(range(0, len(stripes), window)):
+                scratch = self._scratch_for(f"repair{wi % 2}", window * (k + 1))
+                reqs, jobs = self._post_repair_window(
+                    rec, layout, plan, stripes[w0 : w0 + window], scratch
+                )
+                tw = time.monotonic()
+                try:
+                    # a decoding host spins (its polls copy the bytes in); a sender naps
+                    self.links.wait(
+                        reqs, f"repair of step {rec.step}", busy=bool(jobs), nap=_SENDER_NAP
+                    )
+                finally:
+                    t_wait += time.monotonic() - tw
+                    if decoding is not None:
+                        decoding.result()  # window i - 1 decoded: its rows are free for i + 1
+                        decoding = None
+                if jobs:
+                    decoding = decoder.submit(decode, jobs, scratch)
+                    rebuilt += len(jobs)
+                    self.stats["decode_bytes"] += k * cb * len(jobs)
+            if decoding is not None:
+                decoding.result()
         if self.trace:
             _log(
                 self.host,
                 f"repair of step {rec.step}: {len(stripes)} stripes, wait "
-                f"{t_wait * 1e3:.1f}ms decode {t_dec * 1e3:.1f}ms total "
+                f"{t_wait * 1e3:.1f}ms decode {t_dec[0] * 1e3:.1f}ms total "
                 f"{(time.monotonic() - t_start) * 1e3:.1f}ms, setup {(t_start - t0) * 1e3:.1f}ms",
             )
         # everyone learns the new file names, and rewrites its manifest
@@ -847,6 +827,59 @@ class Daemon:
             loc.parity = rec.parity.get(self.slot)
             if rec.state == "protected":
                 self._write_manifest(rec, loc)
+
+    def _post_repair_window(
+        self, rec: StepRec, layout: Any, plan: Any, batch: list[int], scratch: Any
+    ) -> tuple[list[Any], list[tuple[int, int, int, dict[int, Any]]]]:
+        """Post this host's sends and receives of one repair window; return the requests and the
+        decodes that fall to it (stripe, row, erased index, available chunks by index)."""
+        g = self.group
+        pos = g.position(self.slot)
+        k, cb = g.k, self.chunk_bytes
+        outbox = self._scratch_for("send", len(scratch) // (k + 1))
+        reqs: list[Any] = []
+        jobs = []
+        for b, s in enumerate(batch):
+            erased_idx, sources = plan.stripes[s]
+            decoders = sorted({holder(layout, s, e) for e in erased_idx})
+            staged = None
+            for d in decoders:
+                avail: dict[int, Any] = {}
+                for a_i, a in enumerate(sources):
+                    h = holder(layout, s, a)
+                    view = None
+                    if a < k and layout.data_chunk(s, a) is None:
+                        if d == pos:
+                            avail[a] = zeros(cb)
+                        continue
+                    if h == pos:
+                        view = self._stripe_chunk(rec, layout, s, a)
+                    if d == pos:
+                        row = scratch[b * (k + 1) + a_i]
+                        if h == pos:
+                            assert view is not None
+                            if view.nbytes == cb:
+                                row = view  # whole: decode from the file in place
+                            else:
+                                row[: view.nbytes] = view
+                                row[view.nbytes :] = 0
+                        else:
+                            length = self._chunk_length(rec, layout, s, a)
+                            row[length:] = 0
+                            reqs += self.links.irecv(
+                                row[:length], self.rank_of[g.slots[h]], TAG_REPAIR
+                            )
+                        avail[a] = row
+                    elif h == pos:
+                        assert view is not None
+                        if staged is None:
+                            staged = outbox[b, : view.nbytes]
+                            staged[:] = view
+                        reqs += self.links.isend(staged, self.rank_of[g.slots[d]], TAG_REPAIR)
+                if d == pos:
+                    target = next(e for e in erased_idx if holder(layout, s, e) == pos)
+                    jobs.append((s, b, target, avail))
+        return reqs, jobs
 
     def _chunk_length(self, rec: StepRec, layout: Any, s: int, index: int) -> int:
         if index >= layout.k:

@@ -62,14 +62,21 @@ class Links:
         self.host = ""  # this daemon's host name, for fault injection
 
     def wait(
-        self, requests: Sequence[Any], what: str, timeout: float | None = None, busy: bool = False
+        self,
+        requests: Sequence[Any],
+        what: str,
+        timeout: float | None = None,
+        busy: bool = False,
+        nap: float | None = None,
     ) -> None:
         """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``.
 
-        MPI progresses a transfer only while some call into it runs, so a bulk transfer waits
+        MPI progresses a transfer only while some call into it runs, so a bulk receiver waits
         ``busy``: polling, with a ``sched_yield`` every 32 tries (measured between two ranks:
-        9 GB/s; 5 GB/s yielding after every try; 0.5 GB/s sleeping between polls). Small control
-        messages sleep between polls instead, leaving the cores to training.
+        9 GB/s; 5 GB/s yielding after every try; 0.5 GB/s sleeping between polls). Otherwise it
+        sleeps between polls, from ``poll`` doubling up to 2 ms (small control messages, leaving
+        the cores to training), or ``nap`` seconds every time (a bulk sender, whose transfer
+        needs its progress often but not its whole core).
         """
         from mpi4py import MPI
 
@@ -78,7 +85,7 @@ class Links:
         reqs = list(requests)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        sleep = self.poll
+        sleep = self.poll if nap is None else nap
         tries = 0
         while not MPI.Request.Testall(reqs):
             tries += 1
@@ -95,7 +102,7 @@ class Links:
                 )
             if not busy:
                 time.sleep(sleep)
-                sleep = min(sleep * 2, 0.002)
+                sleep = nap if nap is not None else min(sleep * 2, 0.002)
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
