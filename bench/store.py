@@ -20,10 +20,7 @@ machine drift hits every contender alike:
 Then host loss, 1-3 times: the storage job is killed, one host's memory wiped, the job relaunched.
 The replacement rebuilds the newest step from its group before the daemons serve (timed by the
 daemon), then every rank reads it back (checked bit-exact); older steps are rebuilt after, and the
-run waits for health "healthy" to time the rebuild of all of them. Then torch.load of the whole
-state from /dev/shm in a fresh process, timed right there: the lost-host target's baseline. The
-torch.load of the put rounds runs minutes earlier, and fresh pages cost what the machine's memory
-is doing at the time (a median of 0.9 s idle and 3.6 s in one run's put rounds here).
+run waits for health "healthy" to time the rebuild of all of them.
 
 Then the daemons' byte counters: parity held and bytes sent per host against the host's blob.
 
@@ -340,14 +337,12 @@ def _phase(
     size: tuple[int, int],
     rounds: tuple[int, int, int],
     in_process: Callable[[int], dict[str, float]],
-    load_beside: Callable[[], float],
 ) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     """Puts, local gets and host losses through one set of RS(k, m) daemons.
 
     ``size`` is (state bytes, tensors), ``rounds`` (warm-up puts, measured puts, host losses).
     Each put round also runs ``in_process(round)`` (the contenders timed in this process), so
-    drift hits them alike; each host loss is followed by ``load_beside()`` (a fresh torch.load of
-    the state). Samples are named ``<label>_...``; returns them and each host's info.
+    drift hits them alike. Samples are named ``<label>_...``; returns them and each host's info.
     """
     nbytes, ntensors = size
     warmup, repeats, losses = rounds
@@ -402,7 +397,6 @@ def _phase(
                 if time.monotonic() > deadline:
                     raise AssertionError(f"host{lost} did not become healthy: {after[lost]}")
                 time.sleep(0.05)
-            t_load = load_beside()
             first = after[lost]["stats"]["startup_rebuild_seconds"]
             rebuild = after[lost]["stats"]["rebuild_seconds"]
             get_lost = got[lost]["get_touched"]
@@ -412,13 +406,11 @@ def _phase(
                 ("rebuild_all_steps_one_host", rebuild),
                 ("get_lost_host", get_lost),
                 ("rebuild_newest_plus_get_lost_host", first + get_lost),
-                ("torch_load_shm_beside_loss", t_load),
             ):
                 samples.setdefault(f"{label}_{name}", []).append(value)
             print(
                 f"RS({k},{m}) host{lost} lost: relaunch {t_relaunch:.2f}s (newest step rebuilt "
-                f"in {first:.3f}s, all in {rebuild:.3f}s), its rank's get {get_lost:.3f}s; "
-                f"torch.load beside it {t_load:.3f}s",
+                f"in {first:.3f}s, all in {rebuild:.3f}s), its rank's get {get_lost:.3f}s",
                 file=sys.stderr,
             )
     finally:
@@ -515,14 +507,6 @@ def run(
         out["dcp_save_shm"], out["dcp_load_shm"] = _dcp_save_load(state, root / f"dcp-{r}")
         return out
 
-    beside = root / "beside-loss.pt"
-
-    def load_beside() -> float:
-        """A fresh process's torch.load of the whole state (saved at the first call)."""
-        if not beside.exists():
-            torch.save(state, beside)
-        return float(run_fresh([{"op": "load", "path": str(beside)}])[0]["load"])
-
     def alternatives_again(r: int) -> dict[str, float]:
         # the same load in both phases, so that their times compare; kept apart by name
         return {f"{n}_replication_phase": v for n, v in alternatives(r + 1000).items()}
@@ -530,16 +514,7 @@ def run(
     try:
         rounds = (warmup, repeats, losses)
         samples, infos = _phase(
-            "ecsnap",
-            "bench",
-            root,
-            k,
-            m,
-            chunk,
-            (nbytes, ntensors),
-            rounds,
-            alternatives,
-            load_beside,
+            "ecsnap", "bench", root, k, m, chunk, (nbytes, ntensors), rounds, alternatives
         )
         if replicas > 1:
             more, repl_infos = _phase(
@@ -552,7 +527,6 @@ def run(
                 (nbytes, ntensors),
                 rounds,
                 alternatives_again,
-                load_beside,
             )
             samples.update(more)
     finally:
@@ -603,16 +577,10 @@ def run(
             None,
         ),
         (
-            "torch.load /dev/shm, fresh process beside each loss / get of a lost host's shard "
+            "torch.load /dev/shm, fresh process / get of a lost host's shard "
             "(rebuild of the newest step + get)",
-            med["ecsnap_torch_load_shm_beside_loss"]
-            / med["ecsnap_rebuild_newest_plus_get_lost_host"],
-            ">= 2.0",
-        ),
-        (
-            "torch.load /dev/shm, fresh process in the put rounds / get of a lost host's shard",
             med["torch_load_shm"] / med["ecsnap_rebuild_newest_plus_get_lost_host"],
-            None,
+            ">= 2.0",
         ),
         (
             "parity bytes per host / (m/k x blob), worst host",
