@@ -73,6 +73,7 @@ TAG_DATA, TAG_PARITY, TAG_FETCH, TAG_REPAIR = 11, 12, 13, 14
 # every few tens of microseconds: 3 ranks into 1 on 2 cores moved 9 GB/s napping 50 us, 5 GB/s
 # spinning (which takes the receiver's cores) and 1.2 GB/s sleeping 2 ms (measured).
 _SENDER_NAP = 5e-5
+_REPAIR_ROWS = 64 << 20  # bytes of receive rows per set in a repair window
 _PERSIST = -1  # the lease the persister holds on a buffer it writes (connections are > 0)
 
 
@@ -750,10 +751,12 @@ class Daemon:
         # per 375 MB): busy senders sharing its cores made that 5-10x slower (measured).
         self.links.barrier(f"repair of step {rec.step} (files ready)")
         self._fault("rebuilding")
-        # Windows of half the exchange window, decoded by a second thread while the next one
-        # arrives: two sets of receive rows, the same memory as one full window. The senders nap
-        # between polls, so the decode has a core to itself (it did not while they spun).
-        window = max(1, self.config.window // 2)
+        # Windows decoded by a second thread while the next one arrives (two sets of receive
+        # rows). The senders nap between polls, so the decode has a core to itself (it did not
+        # while they spun). A set holds about 64 MiB: a relaunched daemon's rows are fresh
+        # pages, faulted in as the bytes arrive. 16 stripes a window instead of 32 (RS(3,1),
+        # 1 MiB chunks) rebuilt 1.5 GB in a median 0.73 s instead of 0.81-0.94 s (measured).
+        window = max(1, min(self.config.window, _REPAIR_ROWS // ((k + 1) * cb)))
         stripes = sorted(plan.stripes)
         rebuilt = 0
         t_wait = 0.0
