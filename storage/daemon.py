@@ -759,11 +759,12 @@ class Daemon:
         window = max(1, min(self.config.window, _REPAIR_ROWS // ((k + 1) * cb)))
         stripes = sorted(plan.stripes)
         rebuilt = 0
-        t_wait = 0.0
-        t_dec = [0.0]
+        t_wait = t_dec = 0.0
         t_start = time.monotonic()
+        outbox = self._scratch_for("send", window)
 
         def decode(jobs: list[tuple[int, int, int, dict[int, Any]]], scratch: Any) -> None:
+            nonlocal t_dec  # one decode at a time; read after the last one
             t = time.monotonic()
             for s, b, target, avail in jobs:
                 dest = self._stripe_chunk(rec, layout, s, target)
@@ -773,14 +774,14 @@ class Daemon:
                     out = scratch[b * (k + 1) + k]
                     rs.decode_into(avail, {target: out})
                     dest[:] = out[: dest.nbytes]
-            t_dec[0] += time.monotonic() - t
+            t_dec += time.monotonic() - t
 
         decoding: Future[None] | None = None
         with ThreadPoolExecutor(1, thread_name_prefix="ecsnap-decode") as decoder:
             for wi, w0 in enumerate(range(0, len(stripes), window)):
                 scratch = self._scratch_for(f"repair{wi % 2}", window * (k + 1))
                 reqs, jobs = self._post_repair_window(
-                    rec, layout, plan, stripes[w0 : w0 + window], scratch
+                    rec, layout, plan, stripes[w0 : w0 + window], scratch, outbox
                 )
                 tw = time.monotonic()
                 try:
@@ -803,7 +804,7 @@ class Daemon:
             _log(
                 self.host,
                 f"repair of step {rec.step}: {len(stripes)} stripes, wait "
-                f"{t_wait * 1e3:.1f}ms decode {t_dec[0] * 1e3:.1f}ms total "
+                f"{t_wait * 1e3:.1f}ms decode {t_dec * 1e3:.1f}ms total "
                 f"{(time.monotonic() - t_start) * 1e3:.1f}ms, setup {(t_start - t0) * 1e3:.1f}ms",
             )
         # everyone learns the new file names, and rewrites its manifest
@@ -832,14 +833,14 @@ class Daemon:
                 self._write_manifest(rec, loc)
 
     def _post_repair_window(
-        self, rec: StepRec, layout: Any, plan: Any, batch: list[int], scratch: Any
+        self, rec: StepRec, layout: Any, plan: Any, batch: list[int], scratch: Any, outbox: Any
     ) -> tuple[list[Any], list[tuple[int, int, int, dict[int, Any]]]]:
-        """Post this host's sends and receives of one repair window; return the requests and the
+        """Post this host's sends (staged in ``outbox``, a row per stripe) and receives (into
+        ``scratch``, k + 1 rows per stripe) of one repair window; return the requests and the
         decodes that fall to it (stripe, row, erased index, available chunks by index)."""
         g = self.group
         pos = g.position(self.slot)
         k, cb = g.k, self.chunk_bytes
-        outbox = self._scratch_for("send", len(scratch) // (k + 1))
         reqs: list[Any] = []
         jobs = []
         for b, s in enumerate(batch):

@@ -41,7 +41,7 @@ def prefault(view: npt.NDArray[np.uint8], threads: int | None = None) -> None:
         threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     n = max(1, min(threads, view.size // _PARALLEL_BYTES))
     if n == 1:
-        view[::_PAGE] = 0
+        _touch(view)
     else:
         piece = -(-view.size // n // _PAGE) * _PAGE
         workers = [
