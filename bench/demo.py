@@ -105,21 +105,21 @@ class Demo:
     # -- the storage job ------------------------------------------------------------------------
 
     def start_daemons(self) -> None:
-        from storage import launch
+        from bench.harness import Cluster
 
-        extra = ["--metrics-port", "0", "--metrics-addr", "127.0.0.1"]
-        self.daemons = launch.start(
-            self.a.hosts,
-            self.job,
+        cluster = Cluster(
             self.root,
-            self.workdir / "daemons.log",
-            virtual_hosts=self.hosts,
+            hosts=self.a.hosts,
             k=self.a.k,
             m=self.a.m,
-            extra=extra,
-            cwd=REPO,
+            extra=["--metrics-port", "0", "--metrics-addr", "127.0.0.1"],
+            job=self.job,
+            host_names=self.hosts,
+            peer_timeout=120.0,
             timeout=300,
+            log=self.workdir / "daemons.log",
         )
+        self.daemons = cluster.proc
         self.procs.all.append(self.daemons)
         self.endpoints = [
             f"http://127.0.0.1:{(self.root / self.job / h / 'metrics.port').read_text().strip()}"

@@ -35,9 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench._common import RESULTS, Recorder, exit_on_sigterm, table
+from bench.harness import Cluster, make_state, same
 
 HOSTS = 4
 PEER_TIMEOUT = 6.0  # seconds: a dead peer ends the job this fast
@@ -61,35 +60,6 @@ FAULTS = [
     "truncate-data",
     "corrupt-manifest",
 ]
-
-
-def state_of(rank: int, step: int) -> dict[str, Any]:
-    """A small deterministic state of ``rank`` at ``step`` (several chunks per host)."""
-    g = torch.Generator().manual_seed(rank * 1_000_003 + step)
-    return {
-        "w": torch.randn(150_000, generator=g),
-        "b": torch.randn(33_333, generator=g).to(torch.bfloat16),
-        "i": torch.randint(0, 1 << 30, (7777,), generator=g),
-        "step": step,
-    }
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k, v in b.items():
-        if isinstance(v, torch.Tensor):
-            x = a[k]
-            if not isinstance(x, torch.Tensor) or x.dtype != v.dtype or x.shape != v.shape:
-                return False
-            if not torch.equal(
-                x.view(torch.uint8) if v.dtype == torch.bfloat16 else x,
-                v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
-            ):
-                return False
-        elif a[k] != v:
-            return False
-    return True
 
 
 def timed(fn: Callable[[], Any], what: str, problems: list[str]) -> Any:
@@ -122,6 +92,7 @@ class Job:
     m: int
     job: str = field(default_factory=lambda: f"f{uuid.uuid4().hex[:8]}")
     proc: Any = None
+    cluster: Cluster | None = None
     stores: list[Any] = field(default_factory=list)
     protected: set[int] = field(default_factory=set)
     attempted: set[int] = field(default_factory=set)
@@ -134,49 +105,28 @@ class Job:
 
     def start(self, fault: str | None = None) -> bool:
         """Launch the daemons (with ``fault`` injected); False if they died before serving."""
-        from storage import launch
-
-        env = {"ECSNAP_FAULTS": fault} if fault else None
-        extra = [
-            "--chunk-bytes",
-            "65536",
-            "--keep",
-            str(KEEP),
-            "--peer-timeout",
-            str(PEER_TIMEOUT),
-        ]
         try:
-            self.proc = launch.start(
-                HOSTS,
-                self.job,
+            self.cluster = Cluster(
                 self.root,
-                self.log,
+                hosts=HOSTS,
                 k=self.k,
                 m=self.m,
-                extra=extra,
-                timeout=120,
-                env=env,
+                extra=["--chunk-bytes", "65536", "--keep", str(KEEP)],
+                job=self.job,
+                env={"ECSNAP_FAULTS": fault} if fault else None,
+                peer_timeout=PEER_TIMEOUT,
+                log=self.log,
             )
         except RuntimeError:
-            self.proc = None
+            self.cluster = None
             return False
+        self.proc = self.cluster.proc
         return True
 
     def connect(self) -> None:
-        import storage
-
         self.close_stores()
-        self.stores = [
-            storage.connect(
-                self.job,
-                rank=r,
-                world_size=HOSTS,
-                host=f"host{r}",
-                root=self.root,
-                timeout=CLIENT_TIMEOUT,
-            )
-            for r in range(HOSTS)
-        ]
+        assert self.cluster is not None
+        self.stores = self.cluster.stores(HOSTS, timeout=CLIENT_TIMEOUT)
 
     def close_stores(self) -> None:
         for s in self.stores:
@@ -192,7 +142,7 @@ class Job:
         handles = []
         try:
             for r, s in enumerate(self.stores):
-                handles.append(timed(partial(s.put, step, state_of(r, step)), "put", problems))
+                handles.append(timed(partial(s.put, step, make_state(r, step)), "put", problems))
             # all at once, and the first failure ends the wait (a rank whose daemon died fails
             # fast; the others' step can then never complete)
             futures = [h.protected for h in handles]
@@ -268,7 +218,7 @@ class Job:
                     problems.append(f"step {step} rank {r}: {type(exc).__name__}: {exc}")
                     readable.append(False)
                     continue
-                ok = same(got, state_of(r, step))
+                ok = same(got, make_state(r, step))
                 del got
                 if not ok:
                     problems.append(f"step {step} rank {r}: WRONG BYTES")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ def _sync_time(fn: Any) -> float:
 
 def run(steps: int, d: int, layers: int, quick: bool) -> None:
     import storage
-    from storage import launch
+    from bench.harness import Cluster
 
     assert torch.cuda.is_available(), "bench.gpu needs a CUDA device"
     dev = torch.device("cuda")
@@ -67,7 +66,7 @@ def run(steps: int, d: int, layers: int, quick: bool) -> None:
     )
     root = Path("/dev/shm") / f"ecsnap-gpu-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o700)
-    daemons = launch.start(2, "gpu", root, root / "daemons.log", k=1, m=1)
+    daemons = Cluster(root, hosts=2, k=1, m=1, job="gpu", log=root / "daemons.log")
     try:
         store = storage.connect("gpu", rank=0, world_size=1, host="host0", root=root)
         torch.manual_seed(0)
@@ -164,8 +163,7 @@ def run(steps: int, d: int, layers: int, quick: bool) -> None:
             shutil.copy(path, Path(out) / path.name)
         store.close()
     finally:
-        os.killpg(daemons.pid, signal.SIGTERM)
-        daemons.wait(60)
+        daemons.stop(60)
         shutil.rmtree(root, ignore_errors=True)
 
 

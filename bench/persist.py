@@ -23,7 +23,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -33,21 +32,24 @@ from typing import Any
 import torch
 
 from bench._common import Recorder, exit_on_sigterm, table
-from bench.store import HOSTS, Workers, _nbytes, make_state
+from bench._ranks import Workers
+from bench.baselines import DISK, torch_disk
+from bench.harness import Cluster, make_state, nbytes_of, same
 
-DISK = Path(os.environ.get("ECSNAP_BENCH_DISK", tempfile.gettempdir()))
-
-
-def _daemons(job: str, root: Path, extra: list[str]) -> Any:
-    from storage import launch
-
-    return launch.start(HOSTS, job, root, root / "daemons.log", k=3, m=1, extra=extra)
+HOSTS = 4
 
 
-def _stop(proc: Any) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-    proc.wait(60)
+def _daemons(job: str, root: Path, extra: list[str]) -> Cluster:
+    return Cluster(
+        root,
+        hosts=HOSTS,
+        k=3,
+        m=1,
+        job=job,
+        extra=extra,
+        peer_timeout=120.0,
+        log=root / "daemons.log",
+    )
 
 
 def _published(disk: Path, job: str, step: int, timeout: float = 300) -> float:
@@ -86,28 +88,10 @@ def _dcp_times(state: dict[str, torch.Tensor], store: Any, step: int) -> dict[st
         t0 = time.perf_counter()
         dcp_load(target, storage_reader=SnapshotReader(store, step), no_dist=True)
         out["dcp_ecsnap_load"] = time.perf_counter() - t0
-    if not all(
-        torch.equal(target[k].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items()
-    ):
+    if not same(target, state):
         raise AssertionError("DCP through ecsnap loaded different bytes")
     store.delete(step)
     return out
-
-
-def _torch_disk(state: dict[str, torch.Tensor]) -> tuple[float, float]:
-    path = DISK / f"ecsnap-torch-{uuid.uuid4().hex[:8]}.pt"
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    t_save = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    loaded = torch.load(path, weights_only=True)
-    t_load = time.perf_counter() - t0
-    del loaded
-    path.unlink()
-    return t_save, t_load
 
 
 def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = None) -> None:
@@ -136,19 +120,19 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
 
-    state = make_state(nbytes, 200, seed=7)
-    actual = _nbytes(state)
+    state = make_state(7, 0, nbytes=nbytes, tensors=200)
+    actual = nbytes_of(state)
     workers = None
     daemons = _daemons(job, root, [])
     try:
-        workers = Workers(job, root, nbytes, 200)
+        workers = Workers(job, root, nbytes, 200, HOSTS)
         with storage.connect(job, rank=0, world_size=1, host="host0", root=root) as store:
             step = 0
             for r in range(1 + repeats):
                 step += 1
                 puts = workers.all({"op": "put", "step": step})
                 dcp_t = _dcp_times(state, store, 10_000 + step)
-                t_save, t_load = _torch_disk(state)
+                t_save, t_load = torch_disk(state)
                 if r == 0:
                     continue  # warm-up
                 add("put_blocking_no_persist", max(p["staged"] for p in puts))
@@ -160,7 +144,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
                     f"repeat {r}: " + ", ".join(f"{k}={v:.3f}" for k, v in dcp_t.items()),
                     file=sys.stderr,
                 )
-        _stop(daemons)
+        daemons.stop(60)
         shutil.rmtree(root / job)
         extra = ["--persist-dir", str(disk), "--persist-every", "1", "--persist-keep", "2"]
         daemons = _daemons(job, root, extra)
@@ -180,7 +164,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
         # every host's memory wiped: the newest persisted step comes back from disk
         last = step
         for _ in range(repeats):
-            _stop(daemons)
+            daemons.stop(60)
             for h in range(HOSTS):
                 shutil.rmtree(root / job / f"host{h}", ignore_errors=True)
             daemons = _daemons(job, root, extra)
@@ -198,7 +182,7 @@ def run(quick: bool = False, nbytes: int | None = None, repeats: int | None = No
     finally:
         if workers is not None:
             workers.close()
-        _stop(daemons)
+        daemons.stop(60)
         if os.environ.get("ECSNAP_TRACE"):
             print((root / "daemons.log").read_text(), file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)

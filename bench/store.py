@@ -38,293 +38,36 @@ Results: JSON lines in ``bench/results/store.jsonl`` with medians and spreads, r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import storage
+from bench import baselines
 from bench._common import Recorder, exit_on_sigterm, table
+from bench._ranks import Workers, run_fresh
+from bench.harness import Cluster, make_state, nbytes_of
 
 HOSTS = 4
 
 
-def make_state(nbytes: int, ntensors: int, seed: int) -> dict[str, torch.Tensor]:
-    """About ``nbytes`` of fp32 and bf16 tensors (alternating), ``ntensors`` of them."""
-    g = torch.Generator().manual_seed(seed)
-    per = max(nbytes // ntensors, 1024)
-    state = {}
-    for i in range(ntensors):
-        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
-        n = per // (4 if dtype == torch.float32 else 2)
-        cols = 1024
-        t = torch.empty(max(n // cols, 1), cols, dtype=torch.float32).uniform_(generator=g)
-        state[f"layer{i // 4}.w{i % 4}"] = t.to(dtype)
-    return state
-
-
-def _nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-# -- the trainer side (one process per rank) ------------------------------------------------------
-
-
-def _connect(spec: dict[str, Any]) -> Any:
-    return storage.connect(
-        spec["job"],
-        rank=spec["rank"],
-        world_size=spec["world"],
-        host=spec["host"],
-        root=spec["root"],
-        timeout=60,
+def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> Cluster:
+    return Cluster(
+        root,
+        hosts=HOSTS,
+        k=k,
+        m=m,
+        job=job,
+        extra=["--chunk-bytes", str(chunk)],
+        peer_timeout=120.0,
+        log=root / "daemons.log",
     )
-
-
-def _touch(state: dict[str, torch.Tensor]) -> None:
-    """Read one byte per page: every byte of a mapped state is then mapped in."""
-    for t in state.values():
-        int(t.reshape(-1).view(torch.uint8)[::4096].sum())
-
-
-def worker(spec: dict[str, Any]) -> None:
-    state = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
-    store = _connect(spec)
-    print(json.dumps({"ready": True, "nbytes": _nbytes(state)}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        out: dict[str, Any] = {}
-        if cmd["op"] == "put":
-            t0 = time.perf_counter()
-            h = store.put(cmd["step"], state)
-            t_return = time.perf_counter() - t0
-            h.staged.result()
-            t_staged = time.perf_counter() - t0
-            h.wait()
-            out = {"return": t_return, "staged": t_staged, "protected": time.perf_counter() - t0}
-        elif cmd["op"] == "get":
-            t0 = time.perf_counter()
-            got = store.get(cmd["step"])
-            t_get = time.perf_counter() - t0
-            _touch(got)
-            out = {"get": t_get, "get_touched": time.perf_counter() - t0}
-            if cmd.get("verify"):
-                out["exact"] = _equal(got, state)
-            del got
-        elif cmd["op"] == "info":
-            out = store.info()
-        elif cmd["op"] == "quit":
-            break
-        print(json.dumps(out), flush=True)
-    store.close()
-
-
-def fresh(spec: dict[str, Any]) -> None:
-    """A new process, as after a crash: a restarted trainer's ``get`` or a ``torch.load``.
-
-    It imports what it needs (this module imports torch and storage), says ready, and starts
-    on the next line of stdin, so that several start together and no import is timed. ``get``
-    times connect + get + touching every page, then (with ``verify``) compares with the state
-    its rank put; ``load`` times torch.load.
-    """
-    expected = None
-    if spec.get("verify"):
-        expected = make_state(spec["nbytes"], spec["ntensors"], seed=spec["rank"])
-    print(json.dumps({"ready": True}), flush=True)
-    if not sys.stdin.readline():
-        return  # the benchmark gave up before the start (another process failed)
-    t0 = time.perf_counter()
-    if spec["op"] == "load":
-        loaded = torch.load(spec["path"], weights_only=True)
-        print(json.dumps({"load": time.perf_counter() - t0}), flush=True)
-        del loaded
-        return
-    store = _connect(spec)
-    got = store.get(spec["step"])
-    _touch(got)
-    out: dict[str, Any] = {"get_touched": time.perf_counter() - t0}
-    if expected is not None:
-        out["exact"] = _equal(got, expected)
-    del got
-    store.close()
-    print(json.dumps(out), flush=True)
-
-
-def _equal(got: dict[str, Any], want: dict[str, torch.Tensor]) -> bool:
-    return got.keys() == want.keys() and all(
-        torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items()
-    )
-
-
-def _spawn(role: str, spec: dict[str, Any]) -> subprocess.Popen[str]:
-    """``python -m bench.store --<role> SPEC``, talking JSON lines over its stdin and stdout."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.store", f"--{role}", json.dumps(spec)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-
-
-def _read(p: subprocess.Popen[str]) -> dict[str, Any]:
-    assert p.stdout is not None
-    line = p.stdout.readline()
-    if not line:
-        raise RuntimeError(f"bench worker exited with {p.wait()}")
-    result: dict[str, Any] = json.loads(line)
-    return result
-
-
-def _end(p: subprocess.Popen[str], timeout: float) -> None:
-    """Close its pipes (a process still waiting for a line reads EOF) and reap it."""
-    for pipe in (p.stdin, p.stdout):
-        if pipe is not None:
-            pipe.close()
-    try:
-        p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-
-
-def run_fresh(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Start one :func:`fresh` process per spec, let them all go at once, return their results."""
-    procs = [_spawn("fresh", spec) for spec in specs]
-    try:
-        for p in procs:
-            _read(p)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        return [_read(p) for p in procs]
-    finally:
-        for p in procs:
-            _end(p, 60)
-
-
-class Workers:
-    def __init__(self, job: str, root: Path, nbytes: int, ntensors: int) -> None:
-        self.specs = [
-            {
-                "job": job,
-                "root": str(root),
-                "rank": rank,
-                "world": HOSTS,
-                "host": f"host{rank}",
-                "nbytes": nbytes // HOSTS,
-                "ntensors": max(ntensors // HOSTS, 1),
-            }
-            for rank in range(HOSTS)
-        ]
-        self.procs = [_spawn("worker", spec) for spec in self.specs]
-        self.ready = [_read(p) for p in self.procs]
-
-    def all(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(cmd) + "\n")
-            p.stdin.flush()
-        return [_read(p) for p in self.procs]
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None and p.stdin is not None:
-                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                p.stdin.flush()
-        for p in self.procs:
-            _end(p, 30)
-
-
-def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> subprocess.Popen[str]:
-    from storage import launch
-
-    return launch.start(
-        HOSTS, job, root, root / "daemons.log", k=k, m=m, extra=["--chunk-bytes", str(chunk)]
-    )
-
-
-# -- the contenders in this process ----------------------------------------------------------------
-
-
-def _floor(state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor) -> float:
-    from storage.state import flatten, stage
-
-    _, leaves, nbytes = flatten(state)
-    t0 = time.perf_counter()
-    stage(leaves, buf.array[:nbytes], pool)
-    return time.perf_counter() - t0
-
-
-def _torch_save_load(state: dict[str, torch.Tensor], directory: Path) -> dict[str, float]:
-    """torch.save to ``directory`` and torch.load back: in this process (whose heap may or may
-    not hand freed pages back without faults, see the module docstring), and in a fresh
-    process, as a restarted trainer would; then the state in HOSTS shards, each loaded by its
-    own fresh process at once."""
-    path = directory / "state.pt"
-    t0 = time.perf_counter()
-    torch.save(state, path)
-    out = {"torch_save_shm": time.perf_counter() - t0}
-    t0 = time.perf_counter()
-    loaded = torch.load(path, weights_only=True)
-    out["torch_load_shm_warm_heap"] = time.perf_counter() - t0
-    del loaded
-    out["torch_load_shm"] = run_fresh([{"op": "load", "path": str(path)}])[0]["load"]
-    path.unlink()
-    names = list(state)
-    shards = [directory / f"shard{i}.pt" for i in range(HOSTS)]
-    for i, shard in enumerate(shards):
-        torch.save({n: state[n] for n in names[i::HOSTS]}, shard)
-    loads = run_fresh([{"op": "load", "path": str(shard)} for shard in shards])
-    out["torch_load_shm_sharded"] = max(r["load"] for r in loads)
-    for shard in shards:
-        shard.unlink()
-    return out
-
-
-def _dcp_async(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, float]:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import async_save
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        t0 = time.perf_counter()
-        fut: Any = async_save(state, storage_writer=FileSystemWriter(str(directory)))
-        t_block = time.perf_counter() - t0
-        fut.result()
-        t_done = time.perf_counter() - t0
-    shutil.rmtree(directory)
-    return t_block, t_done
-
-
-def _dcp_save_load(state: dict[str, torch.Tensor], directory: Path) -> tuple[float, float]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        t0 = time.perf_counter()
-        dcp_save(state, storage_writer=FileSystemWriter(str(directory)), no_dist=True)
-        t_save = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        dcp_load(target, storage_reader=FileSystemReader(str(directory)), no_dist=True)
-        t_load = time.perf_counter() - t0
-    shutil.rmtree(directory)
-    return t_save, t_load
 
 
 def _phase(
@@ -350,7 +93,7 @@ def _phase(
     daemons = _daemons(job, root, k, m, chunk)
     workers = None
     try:
-        workers = Workers(job, root, nbytes, ntensors)
+        workers = Workers(job, root, nbytes, ntensors, HOSTS)
         for r in range(warmup + repeats):
             step = r + 1
             puts = workers.all({"op": "put", "step": step})
@@ -382,8 +125,7 @@ def _phase(
         last = warmup + repeats
         for i in range(losses):
             lost = 1 + i % (HOSTS - 1)
-            os.killpg(daemons.pid, 9)
-            daemons.wait(30)
+            daemons.kill()
             shutil.rmtree(root / job / f"host{lost}")
             t0 = time.perf_counter()
             daemons = _daemons(job, root, k, m, chunk)
@@ -416,9 +158,7 @@ def _phase(
     finally:
         if workers is not None:
             workers.close()
-        if daemons.poll() is None:
-            os.killpg(daemons.pid, 15)
-        daemons.wait(30)
+        daemons.stop()
         if os.environ.get("ECSNAP_TRACE"):
             print((root / "daemons.log").read_text(), file=sys.stderr)
         shutil.rmtree(root / job, ignore_errors=True)  # its memory, before the next phase
@@ -461,7 +201,6 @@ def run(
     chunk: int = 1 << 20,
     replicas: int = 2,
 ) -> list[dict[str, Any]]:
-    from bench.persist import _torch_disk
     from transport import shm
 
     nbytes = nbytes or ((256 << 20) if quick else 1_500_000_000)
@@ -487,8 +226,8 @@ def run(
             "chunk_bytes": chunk,
         },
     )
-    state = make_state(nbytes, ntensors, seed=99)
-    actual = _nbytes(state)
+    state = make_state(99, 0, nbytes=nbytes, tensors=ntensors)
+    actual = nbytes_of(state)
     pool = ThreadPoolExecutor(2)
     floor_buf = shm.create(root / "floor.buf", actual)
     then = f", then {replicas}-way replication (RS(1,{replicas - 1}))" if replicas > 1 else ""
@@ -498,13 +237,13 @@ def run(
     )
 
     def alternatives(r: int) -> dict[str, float]:
-        out = {"floor_copy_2threads": _floor(state, floor_buf, pool)}
-        out.update(_torch_save_load(state, root))
-        out["torch_save_disk"], out["torch_load_disk"] = _torch_disk(state)
-        out["dcp_async_save_blocking"], out["dcp_async_save_done"] = _dcp_async(
+        out = {"floor_copy_2threads": baselines.floor_copy(state, floor_buf, pool)}
+        out.update(baselines.torch_save_load(state, root, HOSTS))
+        out["torch_save_disk"], out["torch_load_disk"] = baselines.torch_disk(state)
+        out["dcp_async_save_blocking"], out["dcp_async_save_done"] = baselines.dcp_async(
             state, root / f"dcp-async-{r}"
         )
-        out["dcp_save_shm"], out["dcp_load_shm"] = _dcp_save_load(state, root / f"dcp-{r}")
+        out["dcp_save_shm"], out["dcp_load_shm"] = baselines.dcp_save_load(state, root / f"dcp-{r}")
         return out
 
     def alternatives_again(r: int) -> dict[str, float]:
@@ -693,15 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="then the same daemons keeping this many full copies, RS(1, r-1) (1: skip)",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--fresh", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(json.loads(args.worker))
-        return 0
-    if args.fresh:
-        fresh(json.loads(args.fresh))
-        return 0
     run(
         quick=args.quick,
         k=args.k,

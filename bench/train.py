@@ -153,7 +153,7 @@ def _run(mode: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
     from bench._common import summarize
-    from storage import launch
+    from bench.harness import Cluster
 
     repeats = repeats or (2 if quick else 5)
     steps = steps or (20 if quick else 40)
@@ -177,7 +177,7 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
             "model_size": model_size,
         },
     )
-    daemons = launch.start(WORLD, job, root, root / "daemons.log", k=3, m=1)
+    daemons = Cluster(root, hosts=WORLD, k=3, m=1, job=job, log=root / "daemons.log")
     overhead: dict[str, list[float]] = {m: [] for m in modes if m != "none"}
     step_s: dict[str, list[float]] = {m: [] for m in modes}
     model_bytes = 0
@@ -210,9 +210,7 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
                 file=sys.stderr,
             )
     finally:
-        if daemons.poll() is None:
-            os.killpg(daemons.pid, 15)
-        daemons.wait(60)
+        daemons.stop(60)
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for mode, s in step_s.items():

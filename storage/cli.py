@@ -1,74 +1,48 @@
-"""The ``ecsnap`` command: ``serve``, ``status``, ``bench``."""
+"""The ``ecsnap`` command: ``serve`` and ``status`` here; every other command (``demo``,
+``bench``) is an ``ecsnap.commands`` entry point of an installed package (``bench`` in this
+repository's ``pyproject.toml``), so the service never imports what is built on it."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+
+__all__ = ["main"]
 
 
-def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ecsnap bench {codec,store,persist,train,scale,faults,soak} [options]")
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name == "codec":
-        from bench.codec import main as codec_main
+def _builtin(name: str) -> Callable[[list[str]], int] | None:
+    if name == "serve":
+        from storage.daemon import main as serve_main
 
-        return int(codec_main(rest))
-    if name == "scale":
-        from bench.scale import main as scale_main
+        return serve_main
+    if name == "status":
+        from storage.status import main as status_main
 
-        return int(scale_main(rest))
-    if name == "train":
-        from bench.train import main as train_main
+        return status_main
+    return None
 
-        return int(train_main(rest))
-    if name == "faults":
-        from bench.faults import main as faults_main
 
-        return int(faults_main(rest))
-    if name == "soak":
-        from bench.faults import soak_main
-
-        return int(soak_main(rest))
-    if name == "persist":
-        from bench.persist import main as persist_main
-
-        return int(persist_main(rest))
-    if name == "store":
-        from bench.store import main as store_main
-
-        return int(store_main(rest))
-    print(
-        f"ecsnap bench: unknown benchmark {name!r}; choose codec, store, persist, "
-        "train, scale, faults or soak",
-        file=sys.stderr,
-    )
-    return 2
+def _plugins() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group="ecsnap.commands")}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ecsnap {serve,status,demo,bench} [options]  (ecsnap COMMAND --help for more)"
+    names = ["serve", "status", *sorted(_plugins())]
+    usage = f"usage: ecsnap {{{','.join(names)}}} [options]  (ecsnap COMMAND --help for more)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "bench":
-        return _bench(rest)
-    if command == "serve":
-        from storage.daemon import main as serve_main
-
-        return int(serve_main(rest))
-    if command == "demo":
-        from bench.demo import main as demo_main
-
-        return int(demo_main(rest))
-    if command == "status":
-        from storage.status import main as status_main
-
-        return int(status_main(rest))
-    print(f"ecsnap: unknown command {command!r}\n{usage}", file=sys.stderr)
-    return 2
+    run = _builtin(command)
+    if run is None:
+        ep = _plugins().get(command)
+        if ep is None:
+            print(f"ecsnap: unknown command {command!r}\n{usage}", file=sys.stderr)
+            return 2
+        run = ep.load()
+    return int(run(rest))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The parts of ``ecsnap bench store`` that decide what is compared (the run itself is too big
+"""The parts of the benchmarks that decide what is compared (the run itself is too big
 for CI: ``ecsnap bench store --quick``)."""
 
 from __future__ import annotations
@@ -8,22 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.store import _equal, make_state, run_fresh
+from bench._ranks import run_fresh
+from bench.harness import make_state, same
 
 
 def test_equal_is_bit_exact() -> None:
-    state = make_state(64 << 10, 4, seed=1)
-    same = {k: v.clone() for k, v in state.items()}
-    assert _equal(same, state)
+    state = make_state(1, 0, nbytes=64 << 10, tensors=4)
+    copy = {k: v.clone() for k, v in state.items()}
+    assert same(copy, state)
     flipped = {k: v.clone() for k, v in state.items()}
     bf16 = next(k for k, v in flipped.items() if v.dtype == torch.bfloat16)
     flipped[bf16].view(torch.uint8).view(-1)[7] ^= 1  # one bit, in a bf16 tensor
-    assert not _equal(flipped, state)
-    assert not _equal({k: v for k, v in same.items() if k != bf16}, state)
+    assert not same(flipped, state)
+    assert not same({k: v for k, v in copy.items() if k != bf16}, state)
 
 
 def test_fresh_processes_time_loads_and_report_failures(tmp_path: Path) -> None:
-    state = make_state(256 << 10, 4, seed=2)
+    state = make_state(2, 0, nbytes=256 << 10, tensors=4)
     path = tmp_path / "state.pt"
     torch.save(state, path)
     results = run_fresh([{"op": "load", "path": str(path)}] * 2)

@@ -12,14 +12,41 @@ import time
 from typing import Any
 
 import storage
+from bench.harness import Cluster, assert_same, make_state
 from storage import Store
 
-from ._states import assert_same, make_state
+
+def trainers(
+    cluster: Cluster,
+    scenario: str,
+    world: int,
+    per_host: int,
+    params: dict[str, Any],
+    timeout: float = 120.0,
+    hosts: list[str] | None = None,
+    only: list[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``world`` trainer processes of ``scenario`` (rank r on host r // per_host, or only
+    the ranks in ``only``); return their results in rank order."""
+    names = hosts or cluster.host_names
+    specs = [
+        {
+            "scenario": scenario,
+            "job": cluster.job,
+            "root": str(cluster.root),
+            "rank": rank,
+            "world": world,
+            "host": names[rank // per_host],
+            "params": params,
+        }
+        for rank in (only if only is not None else range(world))
+    ]
+    return cluster.processes("tests.mpi._trainer", specs, timeout)
 
 
 def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """Overlapping puts of steps 1 and 2, reads of own and a foreign rank, retention by step 3."""
-    s1, s2 = make_state(rank, 1), make_state(rank, 2)
+    s1, s2 = make_state(rank, 1, every_kind=True), make_state(rank, 2, every_kind=True)
     h1 = store.put(1, s1)
     h2 = store.put(2, s2)  # before step 1 is protected
     h1.staged.result(60)
@@ -29,11 +56,11 @@ def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[s
     assert_same(store.get(1), s1)
     assert_same(store.get(), s2)
     other = (rank + p["per_host"]) % world  # a rank that lives on another host
-    assert_same(store.get(2, rank=other), make_state(other, 2))
+    assert_same(store.get(2, rank=other), make_state(other, 2, every_kind=True))
     st = store.status(2)
     assert st.protected and st.ranks_staged == list(range(world))
     held = store.get(1)  # views of step 1's shared memory, kept across its eviction
-    with_3 = make_state(rank, 3)
+    with_3 = make_state(rank, 3, every_kind=True)
     store.put(3, with_3).wait(60)
     steps = store.steps()
     assert steps == [2, 3], steps  # keep=2: step 1 evicted by the protection of step 3
@@ -46,7 +73,9 @@ def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[s
         raise AssertionError("evicted step 1 still readable")
     except storage.StepNotFoundError:
         pass
-    store.put(4, make_state(rank, 4)).wait(60)  # needs memory: not step 1's, still leased
+    store.put(4, make_state(rank, 4, every_kind=True)).wait(
+        60
+    )  # needs memory: not step 1's, still leased
     assert_same(held, s1)
     del held
     try:
@@ -59,9 +88,9 @@ def round_trip(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[s
 
 def partial(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """Step 1 put by all, step 2 by even ranks only: step 2 must never become visible."""
-    store.put(1, make_state(rank, 1, scale=2)).wait(60)
+    store.put(1, make_state(rank, 1, every_kind=True, scale=2)).wait(60)
     if rank % 2 == 0:
-        h = store.put(2, make_state(rank, 2))
+        h = store.put(2, make_state(rank, 2, every_kind=True))
         h.staged.result(60)
     seen = set()
     deadline = time.monotonic() + 1.5
@@ -81,7 +110,7 @@ def partial(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str,
 
 def capacity(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """A put over the memory budget fails with CapacityError; what was stored stays bit-exact."""
-    small = make_state(rank, 1)
+    small = make_state(rank, 1, every_kind=True)
     store.put(1, small).wait(60)
     import torch
 
@@ -93,7 +122,7 @@ def capacity(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str
         message = str(exc)
     assert store.steps() == [1]
     assert_same(store.get(1), small)
-    store.put(3, make_state(rank, 3)).wait(60)  # the service still works
+    store.put(3, make_state(rank, 3, every_kind=True)).wait(60)  # the service still works
     assert store.steps() == [1, 3]
     return {"message": message}
 
@@ -118,7 +147,7 @@ def bad_input(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[st
     except storage.StepNotFoundError as exc:
         assert isinstance(exc, KeyError)
         errors["missing"] = str(exc)
-    good = make_state(rank, 1)
+    good = make_state(rank, 1, every_kind=True)
     store.put(1, good).wait(60)  # the rejected put left nothing behind
     assert_same(store.get(1), good)
     if rank == 0:
@@ -133,10 +162,10 @@ def bad_input(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[st
 def put(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """Put ``steps`` (all protected); then ``partial`` steps only staged, by ``partial_ranks``."""
     for step in p.get("steps", []):
-        store.put(step, make_state(rank, step)).wait(60)
+        store.put(step, make_state(rank, step, every_kind=True)).wait(60)
     for step in p.get("partial", []):
         if rank in p.get("partial_ranks", []):
-            store.put(step, make_state(rank, step)).staged.result(60)
+            store.put(step, make_state(rank, step, every_kind=True)).staged.result(60)
     return {"steps": store.steps()}
 
 
@@ -147,7 +176,11 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
     for step in p.get("steps", []):
         for r in p.get("ranks", range(world)):
             try:
-                assert_same(store.get(step, rank=r), make_state(r, step), f"step {step} rank {r}")
+                assert_same(
+                    store.get(step, rank=r),
+                    make_state(r, step, every_kind=True),
+                    f"step {step} rank {r}",
+                )
             except storage.SnapshotUnrecoverableError as exc:
                 out["errors"][f"{step}/{r}"] = {
                     "type": "unrecoverable",
@@ -163,7 +196,7 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
     if p.get("get_none"):
         latest = store.latest_step()
         got = store.get()
-        assert_same(got, make_state(rank, latest))
+        assert_same(got, make_state(rank, latest, every_kind=True))
         out["get_none"] = latest
     after = store.info()
     out["sent_delta"] = after["sent_bytes"] - before["sent_bytes"]
@@ -176,9 +209,9 @@ def check(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, A
 def interactive(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """Put step 1; put step 2 alone (never protected); then let the test kill and relaunch the
     daemons (it writes a line on stdin) and check: step 2's put failed, the Store reconnected."""
-    state = make_state(rank, 1)
+    state = make_state(rank, 1, every_kind=True)
     store.put(1, state).wait(60)
-    h = store.put(2, make_state(rank, 2))
+    h = store.put(2, make_state(rank, 2, every_kind=True))
     h.staged.result(60)
     print("READY", flush=True)
     t0 = time.monotonic()

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 import storage
+from bench.harness import REPO, Cluster
 from storage import launch
 from transport import control
 
-from ._cluster import REPO, Cluster
+from ._trainer import trainers
 
 
 def _serve(root: Path, job: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -59,7 +60,7 @@ def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     job = c.job
     try:
-        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2]})
         # a client of another job, at this job's socket: refused by name
         with storage.connect(job, rank=0, world_size=4, host="host0", root=shm_root) as ok:
             assert ok.steps() == [1, 2]
@@ -111,7 +112,7 @@ def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path
     (host1 / "health.json").write_text("garbage")
     c = Cluster(shm_root, hosts=4, k=3, m=1, job=job)
     try:
-        res = c.trainers("check", world=4, per_host=1, params={"steps": [1, 2]})
+        res = trainers(c, "check", world=4, per_host=1, params={"steps": [1, 2]})
         assert all(r["errors"] == {} and r["steps"] == [1, 2] for r in res), res
         assert not (host1 / "data" / "r9-123-4").exists()  # not state: swept
     finally:

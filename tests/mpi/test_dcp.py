@@ -8,7 +8,9 @@ import shutil
 import socket
 from pathlib import Path
 
-from ._cluster import Cluster
+from bench.harness import Cluster
+
+from ._trainer import trainers
 
 
 def _port() -> int:
@@ -20,11 +22,12 @@ def _port() -> int:
 def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
-        saved = c.trainers("dcp_save", world=2, per_host=1, params={"port": _port()})
+        saved = trainers(c, "dcp_save", world=2, per_host=1, params={"port": _port()})
         assert all(r["steps"] == [1, 2] and r["staged_at_return"] for r in saved), saved
         # 4 ranks read what 2 wrote, cut the other way; 2 ranks read it back as written
         for world, per_host, layout in ((4, 1, "cols"), (2, 2, "rows")):
-            res = c.trainers(
+            res = trainers(
+                c,
                 "dcp_load",
                 world=world,
                 per_host=per_host,
@@ -35,7 +38,8 @@ def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
         c.kill()
         shutil.rmtree(shm_root / c.job / "host1")
         c = Cluster(shm_root, hosts=4, k=3, m=1, job=c.job)
-        res = c.trainers(
+        res = trainers(
+            c,
             "dcp_load",
             world=4,
             per_host=1,
@@ -49,11 +53,11 @@ def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
 def test_fsdp2_model_and_optimizer_resharded_2_to_4(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=2, m=2)
     try:
-        saved = c.trainers("fsdp_save", world=2, per_host=1, params={"port": _port(), "step": 5})
+        saved = trainers(c, "fsdp_save", world=2, per_host=1, params={"port": _port(), "step": 5})
         expect = saved[0]["expect"]
         assert any(k.startswith("optim.state") for k in expect)  # AdamW moments saved too
-        res = c.trainers(
-            "fsdp_load", world=4, per_host=1, params={"port": _port(), "expect": expect}
+        res = trainers(
+            c, "fsdp_load", world=4, per_host=1, params={"port": _port(), "expect": expect}
         )
         assert all(r["wrong"] == [] and r["compared"] == len(expect) for r in res), res
     finally:

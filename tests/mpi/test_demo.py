@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ._cluster import REPO
+from bench.harness import REPO
 
 
 @pytest.mark.parametrize("kill", ["host", "2hosts"])

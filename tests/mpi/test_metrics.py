@@ -13,7 +13,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._cluster import REPO, Cluster
+from bench.harness import REPO, Cluster
+
+from ._trainer import trainers
 from .test_recovery import _data_file, _flip
 
 
@@ -61,7 +63,7 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         assert m[("ecsnap_steps_held", ())] == 0
         assert math.isnan(m[("ecsnap_latest_protected_step", ())])
         assert m[("ecsnap_health", (("state", "healthy"),))] == 1
-        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2]})
         held = {"data": 0.0, "parity": 0.0, "encoded": 0.0, "sent": 0.0}
         for h in range(4):
             m = scrape(shm_root, c.job, f"host{h}")
@@ -80,7 +82,8 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         assert held["encoded"] > 0 and held["sent"] > 0
         # a corrupted chunk found by a read: counted, repaired
         _flip(_data_file(shm_root, c.job, "host3", 2, 3))
-        [r] = c.trainers(
+        [r] = trainers(
+            c,
             "check",
             world=4,
             per_host=1,

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from bench.harness import Cluster, make_state
 from storage.status import gather, render
 
-from ._cluster import Cluster
-from ._states import make_state
+from ._trainer import trainers
 
 
 def _wait_on_disk(root: Path, job: str, steps: list[int], timeout: float = 60) -> list[int]:
@@ -53,7 +53,7 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
     args = ["--persist-dir", str(disk), "--persist-every", "2", "--persist-keep", "2"]
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=args)
     try:
-        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2, 3, 4, 5, 6]})
+        trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2, 3, 4, 5, 6]})
         assert _wait_on_disk(disk, c.job, [4, 6]) == [4, 6]  # 2 was persisted, then pruned
         step6 = disk / c.job / "step-6"
         assert not list((disk / c.job).glob(".partial-*"))
@@ -66,7 +66,7 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
             got = load_file(str(step6 / f"rank-{r}.safetensors"))
             want = {
                 k: v
-                for k, v in _flat_tensors(make_state(r, 6)).items()
+                for k, v in _flat_tensors(make_state(r, 6, every_kind=True)).items()
                 if v.dtype != torch.complex64
             }
             for name, t in want.items():
@@ -76,7 +76,7 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
         for h in range(4):
             shutil.rmtree(shm_root / c.job / f"host{h}")
         c = Cluster(shm_root, hosts=4, k=3, m=1, extra=args, job=c.job)
-        res = c.trainers("check", world=4, per_host=1, params={"steps": [6, 4], "get_none": True})
+        res = trainers(c, "check", world=4, per_host=1, params={"steps": [6, 4], "get_none": True})
         for r in res:
             assert r["errors"] == {} and r["get_none"] == 6 and r["latest"] == 6, r
             assert r["status"] == {"4": "persisted", "6": "protected"}, r["status"]
@@ -89,7 +89,7 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
         raw = bytearray(f4.read_bytes())
         raw[-5] ^= 0xFF
         f4.write_bytes(bytes(raw))
-        res = c.trainers("check", world=4, per_host=1, params={"steps": [4, 6], "ranks": [2]})
+        res = trainers(c, "check", world=4, per_host=1, params={"steps": [4, 6], "ranks": [2]})
         for r in res:
             assert list(r["errors"]) == ["4/2"], r["errors"]
             err = r["errors"]["4/2"]
@@ -99,7 +99,7 @@ def test_persist_retention_restore_and_fallback(shm_root: Path, tmp_path: Path) 
         for h in (1, 2):
             shutil.rmtree(shm_root / c.job / f"host{h}")
         c = Cluster(shm_root, hosts=4, k=3, m=1, extra=args, job=c.job)
-        res = c.trainers("check", world=4, per_host=1, params={"steps": [6], "get_none": True})
+        res = trainers(c, "check", world=4, per_host=1, params={"steps": [6], "get_none": True})
         assert all(r["errors"] == {} and r["get_none"] == 6 for r in res), res
     finally:
         assert c.stop() == 0

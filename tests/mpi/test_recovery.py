@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import storage
+from bench.harness import REPO, Cluster, assert_same, make_state
 from storage.placement import Group, HostBlob, StripeLayout
 
-from ._cluster import REPO, Cluster
-from ._states import assert_same, make_state
+from ._trainer import trainers
 
 HOSTS = ["host0", "host1", "host2", "host3"]
 
@@ -40,46 +40,50 @@ def _data_file(root: Path, job: str, host: str, step: int, rank: int) -> Path:
     return root / job / host / "data" / shard["buffer"]
 
 
-def _relaunch(old: Cluster, **kw: Any) -> Cluster:
-    return Cluster(old.root, hosts=old.hosts, job=old.job, **kw)
-
-
 def test_playbook_k3_m1(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
-        c.trainers(
+        trainers(
+            c,
             "put",
             world=4,
             per_host=1,
             params={"steps": [1, 2], "partial": [3], "partial_ranks": [0, 1]},
         )
         # a trainer crash: a new process reads from its own host's memory, no network
-        [r] = c.trainers(
-            "check", world=4, per_host=1, only=[0], params={"steps": [2], "ranks": [0]}
+        [r] = trainers(
+            c, "check", world=4, per_host=1, only=[0], params={"steps": [2], "ranks": [0]}
         )
         assert r["errors"] == {} and r["steps"] == [1, 2]
         assert r["sent_delta"] == 0 and r["received_delta"] == 0
         # the daemons die (SIGKILL, the whole job) with step 3 half put
         c.kill()
-        c = _relaunch(c, k=3, m=1)
-        [r] = c.trainers("check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
+        c = c.relaunch()
+        [r] = trainers(c, "check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
         assert r["errors"] == {} and r["steps"] == [1, 2], r
         assert not (shm_root / c.job / "host0" / "steps" / "3.json").exists()
         # lose host1 whole; the relaunched job rebuilds it, then lose host2 of the same group
         for lost in ("host1", "host2"):
             c.kill()
             shutil.rmtree(shm_root / c.job / lost)
-            c = _relaunch(c, k=3, m=1)
+            c = c.relaunch()
             assert "rebuilt" in c.log.read_text()
-            [r] = c.trainers(
-                "check", world=4, per_host=1, only=[0], params={"steps": [1, 2]}, hosts=[lost] * 4
+            [r] = trainers(
+                c,
+                "check",
+                world=4,
+                per_host=1,
+                only=[0],
+                params={"steps": [1, 2]},
+                hosts=[lost] * 4,
             )
             assert r["errors"] == {}, r
             assert r["info"]["health"] == "healthy"
             assert r["info"]["stats"]["rebuilt_chunks"] > 0
         # a flipped byte in a data chunk, found by a read while serving, repaired from the group
         _flip(_data_file(shm_root, c.job, "host3", 2, 3))
-        [r] = c.trainers(
+        [r] = trainers(
+            c,
             "check",
             world=4,
             per_host=1,
@@ -97,19 +101,19 @@ def test_playbook_k3_m1(shm_root: Path) -> None:
             f.truncate(1000)
         mpath = shm_root / c.job / "host0" / "steps" / "1.json"
         mpath.write_text(mpath.read_text().replace('"world_size":4', '"world_size":5'))
-        c = _relaunch(c, k=3, m=1)
+        c = c.relaunch()
         log = c.log.read_text()
         assert "fails its checksum" in log, log
-        [r] = c.trainers("check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
+        [r] = trainers(c, "check", world=4, per_host=1, only=[0], params={"steps": [1, 2]})
         assert r["errors"] == {}, r
         assert json.loads(mpath.read_text())["world_size"] == 4  # taken back from a peer
         # more than m=1 hosts of the group lost: a clear error naming them, no wrong bytes
         c.kill()
         shutil.rmtree(shm_root / c.job / "host0")
         shutil.rmtree(shm_root / c.job / "host3")
-        c = _relaunch(c, k=3, m=1)
-        [r] = c.trainers(
-            "check", world=4, per_host=1, only=[0], params={"steps": [2]}, hosts=["host1"] * 4
+        c = c.relaunch()
+        [r] = trainers(
+            c, "check", world=4, per_host=1, only=[0], params={"steps": [2]}, hosts=["host1"] * 4
         )
         err = r["errors"]["2/0"]
         assert err["type"] == "unrecoverable", r
@@ -122,28 +126,29 @@ def test_playbook_k3_m1(shm_root: Path) -> None:
 def test_playbook_k2_m2_two_losses_permuted_slots_new_host(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=2, m=2)
     try:
-        c.trainers("put", world=8, per_host=2, params={"steps": [5, 6]})
+        trainers(c, "put", world=8, per_host=2, params={"steps": [5, 6]})
         # two hosts of a k=2 m=2 group at once
         c.kill()
         shutil.rmtree(shm_root / c.job / "host0")
         shutil.rmtree(shm_root / c.job / "host2")
-        c = _relaunch(c, k=2, m=2)
-        [r] = c.trainers(
-            "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host0"] * 8
+        c = c.relaunch()
+        [r] = trainers(
+            c, "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host0"] * 8
         )
         assert r["errors"] == {}, r
         # the same hosts on other MPI ranks: each claims its own slot again
         c.kill()
-        c = _relaunch(c, k=2, m=2, host_names=["host3", "host2", "host1", "host0"])
-        [r] = c.trainers(
-            "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host2"] * 8
+        c = c.relaunch(host_names=["host3", "host2", "host1", "host0"])
+        [r] = trainers(
+            c, "check", world=8, per_host=2, only=[0], params={"steps": [5, 6]}, hosts=["host2"] * 8
         )
         assert r["errors"] == {} and r["info"]["slot"] == 2, r
         # a new, empty machine instead of host1: it takes host1's slot and rebuilds its shards
         c.kill()
         shutil.rmtree(shm_root / c.job / "host1")
-        c = _relaunch(c, k=2, m=2, host_names=["host0", "hostX", "host2", "host3"])
-        [r] = c.trainers(
+        c = c.relaunch(host_names=["host0", "hostX", "host2", "host3"])
+        [r] = trainers(
+            c,
             "check",
             world=8,
             per_host=2,
@@ -161,15 +166,16 @@ def test_beyond_m_falls_back_to_newest_recoverable(shm_root: Path) -> None:
     """Corrupt one chunk of step 2 on two hosts of a stripe (m=1): step 2 is lost, step 1 is not."""
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
-        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2]})
         c.kill()
         # the first data chunks of host1 and host2 both sit in stripe 0: two erasures, m=1
         lay = StripeLayout(Group(0, (0, 1, 2, 3), 3, 1), [1, 1, 1, 1])
         assert lay.data_stripes[1][0] == lay.data_stripes[2][0] == 0
         for host, rank in (("host1", 1), ("host2", 2)):
             _flip(_data_file(shm_root, c.job, host, 2, rank), 10)
-        c = _relaunch(c, k=3, m=1)
-        [r] = c.trainers(
+        c = c.relaunch()
+        [r] = trainers(
+            c,
             "check",
             world=4,
             per_host=1,
@@ -223,12 +229,12 @@ def test_put_in_flight_fails_and_clients_reconnect(shm_root: Path) -> None:
         assert helper.stdout is not None and helper.stdin is not None
         assert helper.stdout.readline().strip() == "READY"
         c.kill()
-        c = _relaunch(c, k=1, m=1)
+        c = c.relaunch()
         helper.stdin.write("go\n")
         helper.stdin.flush()
         assert helper.stdout.readline().strip() == "AGAIN"
         c.kill()
-        c = _relaunch(c, k=1, m=1)
+        c = c.relaunch()
         helper.stdin.write("go\n")
         helper.stdin.flush()
         out, err = helper.communicate(timeout=120)
@@ -250,8 +256,8 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
     cb = 65536
     c = Cluster(shm_root, hosts=3, k=1, m=2, extra=["--chunk-bytes", str(cb)])
     try:
-        c.trainers("put", world=6, per_host=2, params={"steps": [1, 2]})
-        [r] = c.trainers("check", world=6, per_host=2, only=[0], params={"steps": [2]})
+        trainers(c, "put", world=6, per_host=2, params={"steps": [1, 2]})
+        [r] = trainers(c, "check", world=6, per_host=2, only=[0], params={"steps": [2]})
         assert r["errors"] == {} and r["info"]["stats"]["encode_bytes"] == 0, r
         c.kill()
         m = _manifest(shm_root, c.job, "host0", 2)
@@ -278,9 +284,9 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
         assert copies == 2 * sum(len(b.chunks) for b in blobs)  # every chunk on both peers
         for lost in ("host0", "host2"):
             shutil.rmtree(shm_root / c.job / lost)
-        c = _relaunch(c, k=1, m=2, extra=["--chunk-bytes", str(cb)])
-        [r] = c.trainers(
-            "check", world=6, per_host=2, only=[0], params={"steps": [1, 2]}, hosts=["host0"] * 6
+        c = c.relaunch(extra=["--chunk-bytes", str(cb)])
+        [r] = trainers(
+            c, "check", world=6, per_host=2, only=[0], params={"steps": [1, 2]}, hosts=["host0"] * 6
         )
         assert r["errors"] == {} and r["steps"] == [1, 2], r
     finally:
@@ -288,7 +294,7 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
 
 
 def _put_all(stores: list[storage.Store], step: int) -> None:
-    handles = [s.put(step, make_state(s.rank, step)) for s in stores]
+    handles = [s.put(step, make_state(s.rank, step, every_kind=True)) for s in stores]
     for h in handles:
         assert h.wait(60) == step
 
@@ -307,14 +313,14 @@ def test_views_outlive_a_second_get_and_a_daemon_restart(shm_root: Path) -> None
         for step in (2, 3, 4):  # step 1 retires at 3; 4 takes a free buffer of its size
             _put_all(stores, step)
         assert stores[0].steps() == [3, 4]
-        assert_same(second, make_state(0, 1))
+        assert_same(second, make_state(0, 1, every_kind=True))
         held = stores[1].get(4)
         c.kill()
-        c = _relaunch(c, k=1, m=1)
+        c = c.relaunch()
         for step in (5, 6, 7):  # step 4 retires at 6; 7 takes memory again
             _put_all(stores, step)
         assert stores[1].steps() == [6, 7]
-        assert_same(held, make_state(1, 4))
+        assert_same(held, make_state(1, 4, every_kind=True))
     finally:
         for s in stores:
             s.close()

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ._cluster import Cluster
+from bench.harness import Cluster
+
+from ._trainer import trainers
 
 NOBODY = 65534
 PROBE = r"""
@@ -64,7 +66,7 @@ def test_modes_and_a_second_uid_is_refused(shm_root: Path) -> None:
 
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--metrics-port", "0"])
     try:
-        c.trainers("put", world=4, per_host=1, params={"steps": [1, 2]})
+        trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2]})
         job_dir = shm_root / c.job
         for path in [job_dir, *job_dir.rglob("*")]:
             mode = stat.S_IMODE(path.lstat().st_mode)
@@ -97,7 +99,7 @@ def test_modes_and_a_second_uid_is_refused(shm_root: Path) -> None:
         for d in opened:
             os.chmod(d, 0o700)
         # the job's own user is still served
-        res = c.trainers("check", world=4, per_host=1, params={"steps": [2]})
+        res = trainers(c, "check", world=4, per_host=1, params={"steps": [2]})
         assert all(r["errors"] == {} for r in res)
     finally:
         assert c.stop() == 0

@@ -5,22 +5,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import storage
-from storage.launch import mpiexec
+from bench.harness import REPO, Cluster, make_state
+from storage import launch
 
-from ._cluster import REPO, Cluster
+from ._trainer import trainers
 
 
 @pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2)])
 def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -> None:
     cluster = Cluster(shm_root, hosts=4, k=k, m=m)
     try:
-        results = cluster.trainers("round_trip", world=8, per_host=2, params={"per_host": 2})
+        results = trainers(cluster, "round_trip", world=8, per_host=2, params={"per_host": 2})
     finally:
         assert cluster.stop() == 0, cluster.log.read_text()
     # what stayed: steps 3 and 4 on every host, with parity in the parity directory
@@ -36,7 +36,7 @@ def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -
 def test_partial_step_never_visible(shm_root: Path) -> None:
     cluster = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
-        results = cluster.trainers("partial", world=4, per_host=1, params={})
+        results = trainers(cluster, "partial", world=4, per_host=1, params={})
     finally:
         assert cluster.stop() == 0
     assert all(r["seen"] == [1] for r in results)
@@ -46,8 +46,8 @@ def test_partial_step_never_visible(shm_root: Path) -> None:
 def test_capacity_error_loses_nothing(shm_root: Path) -> None:
     cluster = Cluster(shm_root, hosts=2, k=1, m=1, extra=["--memory-budget", "64M"])
     try:
-        results = cluster.trainers(
-            "capacity", world=2, per_host=1, params={"huge_bytes": 100 << 20}
+        results = trainers(
+            cluster, "capacity", world=2, per_host=1, params={"huge_bytes": 100 << 20}
         )
     finally:
         assert cluster.stop() == 0
@@ -57,7 +57,7 @@ def test_capacity_error_loses_nothing(shm_root: Path) -> None:
 def test_bad_input_named_errors(shm_root: Path) -> None:
     cluster = Cluster(shm_root, hosts=2)
     try:
-        results = cluster.trainers("bad_input", world=2, per_host=1, params={})
+        results = trainers(cluster, "bad_input", world=2, per_host=1, params={})
     finally:
         assert cluster.stop() == 0
     errors = results[0]["errors"]
@@ -68,30 +68,8 @@ def test_bad_input_named_errors(shm_root: Path) -> None:
 
 
 def test_hosts_that_cannot_form_groups_fail_at_start(shm_root: Path) -> None:
-    out = subprocess.run(
-        [
-            mpiexec(),
-            "-n",
-            "5",
-            sys.executable,
-            "-m",
-            "storage.cli",
-            "serve",
-            "--job",
-            "bad",
-            "--root",
-            str(shm_root),
-            "--virtual-hosts",
-            "--k",
-            "3",
-            "--m",
-            "1",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cmd = launch.serve_command(5, "bad", shm_root, k=3, m=1)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "leave a last group of 1 host(s)" in out.stderr, out.stderr
     assert "--k 4 --m 1" in out.stderr
@@ -110,7 +88,7 @@ def test_guarded_training_loop_snapshots_the_right_parameters(shm_root: Path) ->
     cluster = Cluster(shm_root, hosts=2, k=1, m=1)
     try:
         params = {"device": "cuda"} if torch.cuda.is_available() else {}
-        results = cluster.trainers("guarded", world=2, per_host=1, params=params)
+        results = trainers(cluster, "guarded", world=2, per_host=1, params=params)
     finally:
         assert cluster.stop() == 0
     assert all(r["checked"] == [3, 4] for r in results)
@@ -120,15 +98,13 @@ def test_delete_and_protection_are_durable_when_acknowledged(shm_root: Path) -> 
     """Told "protected" or "deleted", a trainer can rely on it even if every daemon is SIGKILLed
     at that very moment: the relaunched job agrees (found by the stateful test: a deleted step
     came back after a restart)."""
-    from bench.faults import state_of
-
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"])
     try:
         for round_ in range(3):
             stores = c.stores(4)
             base = 10 * round_
             for step in (base + 1, base + 2):
-                hs = [s.put(step, state_of(r, step)) for r, s in enumerate(stores)]
+                hs = [s.put(step, make_state(r, step)) for r, s in enumerate(stores)]
                 for h in hs:
                     h.wait(60)
             stores[0].delete(base + 1)
@@ -136,7 +112,7 @@ def test_delete_and_protection_are_durable_when_acknowledged(shm_root: Path) -> 
             c.proc.wait()
             for s in stores:
                 s.close()
-            c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"], job=c.job)
+            c = c.relaunch()
             with storage.connect(c.job, rank=0, world_size=4, host="host0", root=shm_root) as s:
                 held = s.steps()
             assert base + 1 not in held and base + 2 in held, (round_, held)

@@ -19,7 +19,10 @@ from hypothesis.stateful import (
 )
 
 import storage
-from bench.faults import HOSTS, KEEP, Job, same, state_of
+from bench.harness import Cluster, make_state, same
+
+HOSTS = 4
+KEEP = 4  # retention: the KEEP newest protected steps stay
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -27,35 +30,53 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.job = Job(self.root, 3, 1)
-        assert self.job.start(), self.job.log.read_text()
-        self.job.connect()
+        self.cluster = Cluster(
+            self.root,
+            hosts=HOSTS,
+            k=3,
+            m=1,
+            extra=["--chunk-bytes", "65536", "--keep", str(KEEP)],
+            peer_timeout=6.0,
+        )
+        self.stores = self.cluster.stores(HOSTS, timeout=5.0)
+        self.attempted: set[int] = set()  # step numbers ever put
         self.model: set[int] = set()  # protected steps the store must hold
-        self.problems: list[str] = []
         # a chunk corrupted since the last relaunch: one more fault in its stripe would be
         # beyond m=1, so wipes and further corruption wait for a relaunch to repair it
         self.dirty = False
 
     def teardown(self) -> None:
-        self.job.stop("term")
-        shutil.rmtree(self.root / self.job.job, ignore_errors=True)
+        self._close()
+        assert self.cluster.stop() == 0, self.cluster.log.read_text()
+        shutil.rmtree(self.root / self.cluster.job, ignore_errors=True)
+
+    def _close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+    def _kill(self) -> None:
+        self._close()
+        self.cluster.kill()
 
     def _relaunch(self) -> None:
-        assert self.job.start(), self.job.log.read_text()
-        self.job.connect()
+        self.cluster = self.cluster.relaunch()
+        self.stores = self.cluster.stores(HOSTS, timeout=5.0)
         self.dirty = False  # adoption checked every chunk and repaired what was bad
 
     @rule(step=st.integers(1, 40))
     def put(self, step: int) -> None:
         if step in self.model:
             try:
-                self.job.stores[0].put(step, state_of(0, step)).staged.result(30)
+                self.stores[0].put(step, make_state(0, step)).staged.result(30)
             except storage.StepExistsError:
                 return
             raise AssertionError(f"a second put of protected step {step} was accepted")
-        if step in self.job.attempted:
+        if step in self.attempted:
             return  # a step number put before and deleted or evicted: covered by the rule above
-        assert self.job.put(step, self.problems), self.problems
+        self.attempted.add(step)
+        handles = [s.put(step, make_state(r, step)) for r, s in enumerate(self.stores)]
+        for h in handles:
+            h.wait(60)
         self.model.add(step)
         self.model = set(sorted(self.model)[-KEEP:])  # retention keeps the KEEP newest steps
 
@@ -65,33 +86,33 @@ class StoreMachine(RuleBasedStateMachine):
         step = data.draw(st.sampled_from(sorted(self.model)))
         rank = data.draw(st.integers(0, HOSTS - 1))
         reader = data.draw(st.integers(0, HOSTS - 1))  # any host may read any rank
-        got = self.job.stores[reader].get(step, rank=rank)
-        assert same(got, state_of(rank, step)), (step, rank, reader)
+        got = self.stores[reader].get(step, rank=rank)
+        assert same(got, make_state(rank, step)), (step, rank, reader)
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
     def delete(self, data: st.DataObject) -> None:
         step = data.draw(st.sampled_from(sorted(self.model)))
-        self.job.stores[0].delete(step)
+        self.stores[0].delete(step)
         self.model.discard(step)
 
     @rule()
     def kill_and_relaunch(self) -> None:
-        self.job.stop("kill")
+        self._kill()
         self._relaunch()
 
     @precondition(lambda self: not self.dirty)
     @rule(host=st.integers(0, HOSTS - 1))
     def wipe_host_and_relaunch(self, host: int) -> None:
-        self.job.stop("kill")
-        shutil.rmtree(self.root / self.job.job / f"host{host}")
+        self._kill()
+        shutil.rmtree(self.root / self.cluster.job / f"host{host}")
         self._relaunch()
 
     @precondition(lambda self: bool(self.model) and not self.dirty)
     @rule(host=st.integers(0, HOSTS - 1), seed=st.integers(0, 1 << 16))
     def corrupt_a_chunk_file(self, host: int, seed: int) -> None:
         rng = random.Random(seed)
-        d = self.root / self.job.job / f"host{host}"
+        d = self.root / self.cluster.job / f"host{host}"
         files = sorted((d / "data").glob("r*")) + sorted((d / "parity").glob("p*"))
         if files:
             f = rng.choice(files)
@@ -103,7 +124,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def steps_agree(self) -> None:
-        assert self.job.stores[0].steps() == sorted(self.model)
+        assert self.stores[0].steps() == sorted(self.model)
 
 
 def test_store_against_model(shm_root: Path) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from bench.harness import DTYPES, assert_same, make_state
 from storage.errors import UnsupportedTypeError
 from storage.state import ALIGN, flatten, stage, unflatten_views
-from tests.mpi._states import DTYPES, assert_same, make_state
 
 
 def round_trip(state, pool=None):
@@ -23,7 +23,7 @@ def round_trip(state, pool=None):
 
 
 def test_mixed_state_bit_exact() -> None:
-    state = make_state(3, 4)
+    state = make_state(3, 4, every_kind=True)
     out, leaves = round_trip(state)
     assert_same(out, state)
     assert all(leaf.offset % ALIGN == 0 for leaf in leaves)

@@ -1,0 +1,34 @@
+"""``ecsnap bench NAME``: the benchmarks, one module each (reached through the ``ecsnap.commands``
+entry point, so that :mod:`storage` never imports :mod:`bench`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# benchmark name -> (module, function taking the remaining arguments)
+BENCHMARKS = {
+    "codec": ("bench.codec", "main"),
+    "store": ("bench.store", "main"),
+    "persist": ("bench.persist", "main"),
+    "train": ("bench.train", "main"),
+    "scale": ("bench.scale", "main"),
+    "faults": ("bench.faults", "main"),
+    "soak": ("bench.faults", "soak_main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = ",".join(BENCHMARKS)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: ecsnap bench {{{names}}} [options]  (ecsnap bench NAME --help for more)")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"ecsnap bench: unknown benchmark {name!r}; choose one of {names}", file=sys.stderr)
+        return 2
+    module, function = BENCHMARKS[name]
+    return int(getattr(importlib.import_module(module), function)(rest))

@@ -1,0 +1,338 @@
+"""What the tests and the benchmarks share: one cluster launcher, one state generator, one
+bit-exact comparer.
+
+    cluster = Cluster(root, hosts=4, k=3, m=1)        # mpiexec -n 4 ecsnap serve --virtual-hosts
+    stores = cluster.stores(4)                        # one Store per rank, rank r on host r
+    stores[0].put(1, make_state(0, 1)).wait()
+    assert_same(stores[0].get(1), make_state(0, 1))  # bit for bit, with the key path on failure
+    cluster.stop()                                    # SIGTERM; returns mpiexec's exit status
+
+Ranks in processes of their own run ``python -m MODULE '<json spec>'`` through
+:meth:`Cluster.processes`; each prints one JSON line of results last.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["REPO", "Cluster", "assert_same", "make_state", "nbytes_of", "same"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+
+
+class Cluster:
+    """The daemons of one job under ``root`` (virtual hosts on this machine).
+
+    The constructor starts them and returns once every daemon is ready; it raises RuntimeError
+    (with the log) if they die first or are not ready within ``timeout``. ``stop()`` sends
+    SIGTERM and returns mpiexec's exit status; ``kill()`` SIGKILLs the whole job. The log of
+    every launch of the job is appended to ``root/<job>.log``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        hosts: int = 4,
+        k: int | None = None,
+        m: int | None = None,
+        extra: Sequence[str] = (),
+        job: str | None = None,
+        host_names: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        peer_timeout: float = 60.0,
+        timeout: float = 120.0,
+        log: Path | None = None,
+    ) -> None:
+        from storage import launch
+
+        self.root = root
+        self.job = job or f"t{uuid.uuid4().hex[:8]}"
+        self.hosts = hosts
+        self.k, self.m = k, m
+        self.extra = list(extra)
+        self.env = env
+        self.host_names = host_names or [f"host{i}" for i in range(hosts)]
+        self.custom_names = host_names is not None
+        self.peer_timeout = peer_timeout
+        self.log = log or root / f"{self.job}.log"
+        self.proc = launch.start(
+            hosts,
+            self.job,
+            root,
+            self.log,
+            virtual_hosts=host_names,
+            k=k,
+            m=m,
+            extra=["--peer-timeout", str(peer_timeout), *self.extra],
+            cwd=REPO,
+            timeout=timeout,
+            env=env,
+        )
+
+    def relaunch(self, **changes: Any) -> Cluster:
+        """The same job launched again (after :meth:`kill` or :meth:`stop`), ``changes`` applied
+        to the arguments this one was started with."""
+        args: dict[str, Any] = {
+            "hosts": self.hosts,
+            "k": self.k,
+            "m": self.m,
+            "extra": self.extra,
+            "job": self.job,
+            "host_names": self.host_names if self.custom_names else None,
+            "peer_timeout": self.peer_timeout,
+            "log": self.log,
+        }
+        args.update(changes)
+        return Cluster(self.root, **args)
+
+    def stores(self, world: int, timeout: float = 60.0) -> list[Any]:
+        """One :class:`storage.Store` in this process per rank, rank r on the r-th host."""
+        import storage
+
+        return [
+            storage.connect(
+                self.job,
+                rank=r,
+                world_size=world,
+                host=self.host_names[r % self.hosts],
+                root=self.root,
+                timeout=timeout,
+            )
+            for r in range(world)
+        ]
+
+    def processes(
+        self, module: str, specs: list[dict[str, Any]], timeout: float = 120.0
+    ) -> list[dict[str, Any]]:
+        """Run ``python -m module SPEC`` once per spec, all at once; return each one's last JSON
+        line. A process that fails or outlives ``timeout`` fails the call with its stderr and the
+        daemons' log."""
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", module, json.dumps(spec)],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for spec in specs
+        ]
+        results = []
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _reap(procs)
+                raise AssertionError(
+                    f"{module} process {i} hung; daemon log:\n{self.log.read_text()}"
+                ) from None
+            if p.returncode != 0:
+                _reap(procs)
+                raise AssertionError(
+                    f"{module} process {i} failed ({p.returncode}):\n{err}\n--- daemons:\n"
+                    f"{self.log.read_text()}"
+                )
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _reap(procs: list[subprocess.Popen[str]]) -> None:
+    for q in procs:
+        if q.poll() is None:
+            q.kill()
+        q.communicate()
+
+
+def make_state(
+    rank: int,
+    step: int,
+    *,
+    nbytes: int = 750_000,
+    tensors: int = 3,
+    every_kind: bool = False,
+    scale: int = 1,
+) -> dict[str, Any]:
+    """The state rank ``rank`` puts at ``step``: the same for the same arguments, bit for bit.
+
+    ``tensors`` tensors of about ``nbytes`` together (float32, bfloat16 and int64 in turn,
+    1024 columns where they have that many elements). With ``every_kind``, also every kind of
+    leaf a trainer puts: a model's, an optimizer's and a scheduler's state dicts (their width
+    grows with ``scale``), each dtype ecsnap stores, views sharing storage, a non-contiguous and
+    a zero-size tensor, numpy arrays and scalars, RNG states, a StatefulDataLoader's state and
+    plain values (NaN, bytes, None, an int key, a torch.Size, a dtype, an OrderedDict).
+    """
+    g = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    per = max(nbytes // max(tensors, 1), 8)
+    state: dict[Any, Any] = {}
+    for i in range(tensors):
+        dtype = (torch.float32, torch.bfloat16, torch.int64)[i % 3]
+        n = max(per // torch.empty(0, dtype=dtype).element_size(), 1)
+        if dtype == torch.int64:
+            t = torch.randint(0, 1 << 30, (n,), generator=g)
+        else:
+            t = torch.empty(n, dtype=torch.float32).uniform_(generator=g).to(dtype)
+        state[f"layer{i // 3}.w{i % 3}"] = t.view(-1, 1024) if n % 1024 == 0 else t
+    if every_kind:
+        state.update(_every_kind(rank, step, scale, g))
+    return state
+
+
+def _every_kind(rank: int, step: int, scale: int, g: torch.Generator) -> dict[str, Any]:
+    torch.manual_seed(rank * 7 + step)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16 * scale, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    model(torch.randn(8, 16 * scale, generator=g)).square().mean().backward()
+    opt.step()
+    sched.step()
+    dtypes = {}
+    for dt in DTYPES:
+        base = torch.randn(5, 7, generator=g) * 10
+        dtypes[str(dt)] = base.to(dt) if dt != torch.bool else base > 0
+    big = torch.randn(300 * scale, 1000 + rank, generator=g)
+    shared = torch.arange(40, dtype=torch.float32) + step
+    nprng = np.random.default_rng(rank + step)
+    pyrng = random.Random(rank * 31 + step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchdata's own deprecation noise
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(list(range(50)), batch_size=4, shuffle=False)
+        it = iter(loader)
+        for _ in range(step % 5 + 1):
+            next(it)
+        loader_state = loader.state_dict()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "dtypes": dtypes,
+        "big": big,
+        "bf16": torch.randn(64, 129, generator=g).to(torch.bfloat16),
+        "noncontig": big[:, ::3].t(),
+        "zero": torch.empty(0, 3, 0),
+        "scalar": torch.tensor(3.25),
+        "shared": (shared[:10], shared[5:25].view(4, 5)),
+        "numpy": {
+            "f": nprng.standard_normal((3, 4)),
+            "i": np.arange(7, dtype=np.int16),
+            "scalar": np.float32(1.5),
+        },
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "numpy": nprng.bit_generator.state,
+            "python": pyrng.getstate(),
+        },
+        "loader": loader_state,
+        "meta": {
+            "step": step,
+            "rank": rank,
+            "lr": 1e-3,
+            "nan": float("nan"),
+            "name": "x",
+            "blob": b"\x00\x01",
+            "none": None,
+            "flags": [True, False],
+            7: "int key",
+            "size": torch.Size([2, 3]),
+            "dtype": torch.bfloat16,
+            "od": collections.OrderedDict(a=1),
+        },
+    }
+
+
+def nbytes_of(state: dict[str, Any]) -> int:
+    """Bytes of the tensors at the top level of ``state``."""
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """``a`` is ``b`` bit for bit: types, keys in order, dtypes, shapes and every byte (NaN
+    equals NaN). Raises AssertionError naming the first key path that differs."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+        if a.numel():
+            ca, cb = a.detach().contiguous(), b.detach().contiguous()
+            assert torch.equal(
+                ca.reshape(-1).view(torch.uint8), cb.reshape(-1).view(torch.uint8)
+            ), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def same(a: Any, b: Any) -> bool:
+    """:func:`assert_same` as a test: True when ``a`` is ``b`` bit for bit."""
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
