@@ -16,6 +16,7 @@ from storage.errors import (
     StepExistsError,
     StepNotFoundError,
     StorageError,
+    StorageTimeoutError,
     UnsupportedTypeError,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "StepNotFoundError",
     "StepStatus",
     "StorageError",
+    "StorageTimeoutError",
     "Store",
     "UnsupportedTypeError",
     "connect",

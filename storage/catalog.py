@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from storage.errors import StorageError, to_wire
 from storage.placement import Group, HostBlob, StripeLayout
+from storage.protocol import StepState
 
-__all__ = ["Catalog", "ShardRec", "StepRec"]
+__all__ = ["Catalog", "ShardRec", "StepRec", "StepState"]
 
 
 @dataclass
@@ -51,10 +53,10 @@ class StepRec:
     step: int
     world_size: int
     shards: dict[int, ShardRec] = field(default_factory=dict)
-    state: str = "staging"
-    prepared: dict[int, str | None] = field(default_factory=dict)
+    state: StepState = StepState.STAGING
+    prepared: dict[int, dict[str, Any] | None] = field(default_factory=dict)
     stored: dict[int, dict[str, Any]] = field(default_factory=dict)
-    error: str | None = None
+    error: dict[str, Any] | None = None  # why it failed, as an error reply (errors.to_wire)
     parity: dict[int, str] = field(default_factory=dict)  # slot -> its parity file
     lost: dict[str, Any] = field(default_factory=dict)  # why a step cannot be rebuilt
     blobs: dict[int, HostBlob] = field(default_factory=dict)
@@ -74,12 +76,13 @@ class Catalog:
         self.keep = keep
         self.steps: dict[int, StepRec] = {}
         self.recently_protected: dict[int, None] = {}  # insertion-ordered, bounded
+        self.failed: dict[int, dict[str, Any]] = {}  # step -> the error that failed it (to_wire)
         self.group_of = {slot: g for g in groups for slot in g.slots}
 
     # -- queries ---------------------------------------------------------------------------------
 
     def protected(self) -> list[int]:
-        return sorted(s for s, r in self.steps.items() if r.state == "protected")
+        return sorted(s for s, r in self.steps.items() if r.state == StepState.PROTECTED)
 
     def latest(self) -> int | None:
         p = self.protected()
@@ -93,22 +96,22 @@ class Catalog:
             self._staged(event)
         elif kind == "prepared":
             rec = self.steps.get(int(event["step"]))
-            if rec is not None and rec.state == "ready":
+            if rec is not None and rec.state == StepState.READY:
                 rec.prepared[slot] = event.get("error")
                 if len(rec.prepared) == self.slots:
                     errors = [e for e in rec.prepared.values() if e]
                     if errors:
-                        rec.state, rec.error = "failed", errors[0]
+                        rec.state, rec.error = StepState.FAILED, errors[0]
                     else:
-                        rec.state = "encoding"
+                        rec.state = StepState.ENCODING
         elif kind == "stored":
             rec = self.steps.get(int(event["step"]))
-            if rec is not None and rec.state == "encoding":
+            if rec is not None and rec.state == StepState.ENCODING:
                 rec.stored[slot] = event.get("crc", {})
                 if event.get("parity"):
                     rec.parity[slot] = str(event["parity"])
                 if len(rec.stored) == self.slots:
-                    rec.state = "protected"
+                    rec.state = StepState.PROTECTED
                     # retention may drop it in this same round: a late waiter must still learn
                     # that it was protected
                     self.recently_protected[rec.step] = None
@@ -116,36 +119,42 @@ class Catalog:
                         self.recently_protected.pop(next(iter(self.recently_protected)))
                     for old in self.evictions():
                         del self.steps[old]
-                    for old in [s for s, r in self.steps.items() if r.state == "lost"]:
+                    for old in [s for s, r in self.steps.items() if r.state == StepState.LOST]:
                         if old < rec.step:
                             del self.steps[old]  # a newer step is protected: no use any more
         elif kind == "delete":
             self.steps.pop(int(event["step"]), None)
-        elif kind == "abort":
-            rec = self.steps.get(int(event["step"]))
-            if rec is not None and rec.state in ("staging", "ready"):
-                rec.state, rec.error = "failed", str(event.get("error", "aborted"))
+
+    def drop_failed(self, step: int) -> None:
+        """A failed step leaves the catalog (its number may be put again); its error stays."""
+        rec = self.steps.get(step)
+        if rec is not None and rec.state == StepState.FAILED:
+            del self.steps[step]
+            self.failed[step] = rec.error or to_wire(StorageError(f"step {step} failed"))
 
     def _staged(self, event: dict[str, Any]) -> None:
         step, world = int(event["step"]), int(event["world_size"])
         rec = self.steps.get(step)
-        if rec is None or rec.state == "lost":  # a lost step's number may be put afresh
+        if rec is None or rec.state == StepState.LOST:  # a lost step's number may be put afresh
             rec = self.steps[step] = StepRec(step, world)
             self.recently_protected.pop(step, None)
-        if rec.state != "staging":
+        if rec.state != StepState.STAGING:
             return
         if world != rec.world_size:
-            rec.state = "failed"
-            rec.error = (
-                f"rank {event['shard']['rank']} put step {step} with world_size {world}, "
-                f"others with {rec.world_size}"
+            rec.state = StepState.FAILED
+            rec.error = to_wire(
+                StorageError(
+                    f"rank {event['shard']['rank']} put step {step} with world_size {world}, "
+                    f"others with {rec.world_size}; every rank of a step must give the same "
+                    "world_size"
+                )
             )
             return
         shard = ShardRec.from_json(event["shard"])
         rec.shards[shard.rank] = shard
         if len(rec.shards) == rec.world_size:
             self.layout(rec)
-            rec.state = "ready"
+            rec.state = StepState.READY
 
     def layout(self, rec: StepRec) -> None:
         """Compute each host's blob and each group's stripes from the step's shards."""

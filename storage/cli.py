@@ -13,7 +13,7 @@ __all__ = ["main"]
 
 def _builtin(name: str) -> Callable[[list[str]], int] | None:
     if name == "serve":
-        from storage.daemon import main as serve_main
+        from storage.serve import main as serve_main
 
         return serve_main
     if name == "status":

@@ -17,6 +17,7 @@ __all__ = [
     "StepExistsError",
     "StepNotFoundError",
     "StorageError",
+    "StorageTimeoutError",
     "UnsupportedTypeError",
 ]
 
@@ -103,6 +104,11 @@ class SnapshotUnrecoverableError(StorageError):
         }
 
 
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A wait on the storage job ran past its timeout: a step not protected in time, a round,
+    a fetch or a repair that did not complete (a peer daemon stuck, dead or unreachable)."""
+
+
 class PersistError(StorageError):
     """A step on the persistent tier is missing, incomplete or fails its checksum."""
 
@@ -119,6 +125,7 @@ _BY_NAME: dict[str, type[StorageError]] = {
         ConfigError,
         SnapshotUnrecoverableError,
         PersistError,
+        StorageTimeoutError,
     )
 }
 

@@ -1,8 +1,9 @@
 """Prometheus metrics of one daemon, on its own registry (no global registry, no multiprocess mode).
 
 Values that already live in the daemon (steps and bytes held, counters it keeps) are read at
-scrape time by :class:`DaemonCollector`; latencies are histograms observed as they happen. Every
-series has the labels ``job`` and ``host``, never a step number. Only daemons export metrics.
+scrape time from its :class:`~storage.protocol.Snapshot` by :class:`SnapshotCollector`; latencies
+are histograms observed as they happen (:class:`Latencies`). Every series has the labels ``job``
+and ``host``, never a step number. Only daemons export metrics.
 
     ecsnap serve --metrics-port 9400          # virtual host i serves on 9400 + i
     ecsnap serve --metrics-port 0             # a free port, written to <host dir>/metrics.port
@@ -11,33 +12,50 @@ series has the labels ``job`` and ``host``, never a step number. Only daemons ex
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from storage.daemon import Daemon
+from storage.protocol import Snapshot
 
-__all__ = ["DaemonCollector", "Metrics"]
+__all__ = ["Endpoint", "Latencies", "SnapshotCollector"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-class DaemonCollector(Collector):
-    """Reads the daemon's state when Prometheus scrapes."""
+class Latencies:
+    """The daemon's registry and the histograms its modules observe."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, job: str, host: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["job", "host"]
+
+        def histogram(name: str, doc: str) -> Any:
+            return Histogram(
+                name, doc, labels, registry=self.registry, buckets=_LATENCY_BUCKETS
+            ).labels(job, host)
+
+        self.stage = histogram("ecsnap_stage_seconds", "Trainer's alloc to staged (put->staged)")
+        self.protect = histogram(
+            "ecsnap_protect_seconds", "Trainer's alloc to protected (put->protected)"
+        )
+        self.rebuild = histogram("ecsnap_rebuild_seconds", "Time to repair one step's chunks")
+
+
+class SnapshotCollector(Collector):
+    """Reads the daemon's :class:`Snapshot` when Prometheus scrapes."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        d = self.daemon
+        snap = self.snapshot()
         names = ["job", "host"]
-        labels = [d.config.job, d.host]
-        snap = d.metrics_snapshot()
+        labels = [snap.job, snap.host]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=names)
@@ -49,118 +67,88 @@ class DaemonCollector(Collector):
             c.add_metric(labels, value)
             return c
 
-        latest = snap["latest"]
+        stats = snap.stats
         yield gauge(
             "ecsnap_latest_protected_step",
             "Newest protected step (NaN before the first)",
-            math.nan if latest is None else latest,
+            math.nan if snap.latest is None else snap.latest,
         )
-        yield gauge("ecsnap_steps_held", "Protected steps held", len(snap["protected"]))
+        yield gauge("ecsnap_steps_held", "Protected steps held", len(snap.protected))
         yield counter(
             "ecsnap_steps_protected",
             "Steps this daemon saw become protected",
-            snap["stats"]["steps_protected"],
+            stats["steps_protected"],
         )
         stored = GaugeMetricFamily(
             "ecsnap_stored_bytes", "Bytes of protected steps held here", labels=[*names, "kind"]
         )
-        stored.add_metric([*labels, "data"], snap["data_bytes"])
-        stored.add_metric([*labels, "parity"], snap["parity_bytes"])
+        stored.add_metric([*labels, "data"], snap.data_bytes)
+        stored.add_metric([*labels, "parity"], snap.parity_bytes)
         yield stored
         yield gauge(
-            "ecsnap_shm_bytes",
-            "Shared memory this daemon holds, in use or free",
-            snap["pool_bytes"],
+            "ecsnap_shm_bytes", "Shared memory this daemon holds, in use or free", snap.pool_bytes
         )
-        if d.config.memory_budget is not None:
+        if snap.memory_budget is not None:
             yield gauge(
-                "ecsnap_memory_budget_bytes", "--memory-budget of this host", d.config.memory_budget
+                "ecsnap_memory_budget_bytes", "--memory-budget of this host", snap.memory_budget
             )
         yield counter(
-            "ecsnap_encode_bytes", "Data bytes encoded into parity", snap["stats"]["encode_bytes"]
+            "ecsnap_encode_bytes", "Data bytes encoded into parity", stats["encode_bytes"]
+        )
+        yield counter("ecsnap_encode_seconds", "Seconds spent encoding", stats["encode_seconds"])
+        yield counter(
+            "ecsnap_decode_bytes", "Bytes read to decode lost chunks", stats["decode_bytes"]
         )
         yield counter(
-            "ecsnap_encode_seconds", "Seconds spent encoding", snap["stats"]["encode_seconds"]
-        )
-        yield counter(
-            "ecsnap_decode_bytes", "Bytes read to decode lost chunks", snap["stats"]["decode_bytes"]
-        )
-        yield counter(
-            "ecsnap_network_sent_bytes", "Payload bytes sent to peer daemons", snap["sent_bytes"]
+            "ecsnap_network_sent_bytes", "Payload bytes sent to peer daemons", snap.sent_bytes
         )
         yield counter(
             "ecsnap_network_received_bytes",
             "Payload bytes received from peers",
-            snap["received_bytes"],
+            snap.received_bytes,
         )
         yield counter(
             "ecsnap_checksum_failures",
             "Chunks or manifests that failed a checksum",
-            snap["stats"]["checksum_failures"],
+            stats["checksum_failures"],
         )
         yield gauge(
             "ecsnap_degraded_stripes",
             "Stripes with lost chunks not yet rebuilt",
-            snap["degraded_stripes"],
+            snap.degraded_stripes,
         )
+        yield counter("ecsnap_rebuilds", "Repairs of a step's lost chunks", stats["rebuilds"])
         yield counter(
-            "ecsnap_rebuilds", "Repairs of a step's lost chunks", snap["stats"]["rebuilds"]
-        )
-        yield counter(
-            "ecsnap_rebuilt_chunks", "Chunks rebuilt on this host", snap["stats"]["rebuilt_chunks"]
+            "ecsnap_rebuilt_chunks", "Chunks rebuilt on this host", stats["rebuilt_chunks"]
         )
         yield gauge(
-            "ecsnap_lost_steps", "Steps that lost more than m chunks of a stripe", len(snap["lost"])
+            "ecsnap_lost_steps", "Steps that lost more than m chunks of a stripe", len(snap.lost)
         )
         errors = CounterMetricFamily(
             "ecsnap_errors", "Requests refused, by error", labels=[*names, "kind"]
         )
-        for kind, n in sorted(snap["errors"].items()):
+        for kind, n in sorted(snap.errors.items()):
             errors.add_metric([*labels, kind], n)
         yield errors
         hosts = GaugeMetricFamily(
             "ecsnap_hosts", "Hosts of the job, by state", labels=[*names, "state"]
         )
-        hosts.add_metric([*labels, "up"], snap["hosts_up"])
-        hosts.add_metric([*labels, "missing"], snap["hosts_missing"])
+        hosts.add_metric([*labels, "up"], snap.hosts_up)
+        hosts.add_metric([*labels, "missing"], snap.hosts_missing)
         yield hosts
         health = GaugeMetricFamily(
             "ecsnap_health", "1 for the daemon's current health", labels=[*names, "state"]
         )
         for state in ("starting", "rebuilding", "healthy"):
-            health.add_metric([*labels, state], 1.0 if snap["health"] == state else 0.0)
+            health.add_metric([*labels, state], 1.0 if snap.health == state else 0.0)
         yield health
 
 
-class Metrics:
-    """The daemon's registry, its histograms, and the HTTP endpoint."""
+class Endpoint:
+    """The HTTP endpoint serving one registry's ``/metrics``."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["job", "host"]
-        lv = (daemon.config.job, daemon.host)
-        self.stage = Histogram(
-            "ecsnap_stage_seconds",
-            "Trainer's alloc to staged (put->staged)",
-            labels,
-            registry=self.registry,
-            buckets=_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.protect = Histogram(
-            "ecsnap_protect_seconds",
-            "Trainer's alloc to protected (put->protected)",
-            labels,
-            registry=self.registry,
-            buckets=_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.rebuild = Histogram(
-            "ecsnap_rebuild_seconds",
-            "Time to repair one step's chunks",
-            labels,
-            registry=self.registry,
-            buckets=_LATENCY_BUCKETS,
-        ).labels(*lv)
-        self.registry.register(DaemonCollector(daemon))
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.server: Any = None
         self.port: int | None = None
 

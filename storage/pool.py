@@ -8,7 +8,6 @@ budget; free files are dropped before a request is refused.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import threading
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import CapacityError
-from transport import faults, shm
+from transport import shm
 
 __all__ = ["Buffer", "Pool"]
 
@@ -92,8 +91,6 @@ class Pool:
                 if name not in self.files and not self.path(name).exists():
                     break
         try:
-            if faults.ACTIVE and faults.hit("alloc", self.dir.name) == "enospc":
-                raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
             f = shm.create(self.path(name), need, exclusive=True)
         except OSError as exc:
             if not isinstance(exc, FileExistsError):  # not ours to delete

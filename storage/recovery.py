@@ -34,6 +34,7 @@ from typing import Any
 from codec import checksum
 from storage.catalog import Catalog, ShardRec, StepRec
 from storage.placement import StripeLayout
+from storage.protocol import StepState
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -117,7 +118,7 @@ def rec_from_manifest(m: dict[str, Any], catalog: Catalog) -> StepRec:
     rec.stored = {int(slot): c for slot, c in m["crc"].items()}
     rec.parity = {int(slot): str(name) for slot, name in m["parity"].items()}
     catalog.layout(rec)
-    rec.state = "protected"
+    rec.state = StepState.PROTECTED
     return rec
 
 

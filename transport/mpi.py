@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from transport import faults
 from transport.errors import PeerTimeoutError
 
 __all__ = ["Counters", "Links", "pieces"]
@@ -59,7 +58,6 @@ class Links:
         self.piece_bytes = piece_bytes
         self.poll = poll
         self.counters = Counters()
-        self.host = ""  # this daemon's host name, for fault injection
 
     def wait(
         self,
@@ -106,8 +104,6 @@ class Links:
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
-        if faults.ACTIVE and faults.hit("send", self.host, dest) == "drop":
-            return []  # injected: the peer waits for a message that never comes
         view = _bytes(buf)
         self.counters.sent += view.nbytes
         return [

@@ -56,7 +56,9 @@ def test_world_size_mismatch_fails_step() -> None:
     cat.apply(0, staged(5, 0, 0, 2))
     cat.apply(1, staged(5, 1, 1, 3))
     assert cat.steps[5].state == "failed"
-    assert "world_size" in (cat.steps[5].error or "")
+    error = cat.steps[5].error
+    assert error is not None and error["error"] == "StorageError"
+    assert "world_size" in error["message"]
 
 
 def test_same_log_same_catalog() -> None:

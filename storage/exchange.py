@@ -1,0 +1,161 @@
+"""The erasure-coding exchange of one step: parity memory, data chunks to their stripes' encoders,
+encode, parity to its holders, checksums.
+
+Who calls it: the round engine, in the local work of a round, for every step the catalog moved to
+``ready`` (:meth:`Exchange.prepare`) or to ``encoding`` (:meth:`Exchange.run`); every daemon of a
+group runs them for the same step in the same round. What it owns: the checksum thread and the
+encode time counters. Lock: it takes the host's ``lock`` only to queue its events; the bulk
+transfers run without it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from codec import checksum
+from storage.catalog import StepRec
+from storage.errors import CapacityError, to_wire
+from storage.host import Host, Local
+
+__all__ = ["TAG_DATA", "TAG_PARITY", "Exchange"]
+
+TAG_DATA, TAG_PARITY = 11, 12
+
+
+class Exchange:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="ecsnap-crc")
+
+    def close(self) -> None:
+        self._crc_pool.shutdown(wait=True)
+
+    def prepare(self, rec: StepRec, loc: Local) -> None:
+        """Reserve parity memory, start checksumming this host's data chunks; report next round.
+
+        The checksums run on a helper thread (ISA-L's CRC drops the GIL) while the exchange moves
+        the same bytes; ``stored`` waits for them.
+        """
+        h = self.host
+        loc.prepared = True
+        loc.t["ready"] = time.monotonic()
+        layout, pos = h.my_layout(rec)
+        nparity = len(layout.parity_stripes[pos])
+        error = None
+        try:
+            buf = h.pool.take(nparity * h.chunk_bytes, "p")
+            loc.parity = buf.name
+        except CapacityError as exc:
+            error = to_wire(CapacityError(f"host {h.name} has no memory for its parity: {exc}"))
+        if error is None:
+            views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
+            loc.crc_job = self._crc_pool.submit(lambda: [checksum(v) for v in views])
+        loc.t["prepared"] = time.monotonic()
+        h.emit({"e": "prepared", "step": rec.step, "error": error})
+
+    def run(self, rec: StepRec, loc: Local) -> None:
+        """Send data chunks to their stripes' encoders, encode, forward parity, window by window.
+
+        Every daemon of the group runs this in the same round. Pairs of daemons post their messages
+        in stripe order, so MPI's non-overtaking rule matches them without per-stripe tags.
+        """
+        h = self.host
+        loc.stored = True
+        loc.t["exchange"] = time.monotonic()
+        h.phase("encoding")
+        g = h.group
+        layout, pos = h.my_layout(rec)
+        k, m, cb = g.k, g.m, h.chunk_bytes
+        rank_at = [h.rank_of[s] for s in g.slots]  # group position -> MPI rank
+        rs = h.codec(k, m)
+        parity = h.pool.get(loc.parity).file.array if loc.parity else None
+        window = h.config.window
+        data_scratch = h.scratch("data", window * k)
+        out_scratch = h.scratch("out", window * max(m - 1, 1) + 1)
+        outbox = h.scratch("send", window)
+        blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
+        replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
+        links = h.links
+        t_encode = 0.0
+
+        def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
+            """Post the receive of stripe s's data chunk j into ``dst``; zero its virtual pad."""
+            dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
+            length = 0 if c is None else blobs[dpos].chunks[c].length
+            dst[length:] = 0
+            return links.irecv(dst[:length], rank_at[dpos], TAG_DATA) if length else []
+
+        def parity_row(s: int) -> np.ndarray[Any, Any]:
+            """This host's parity (or copy) chunk of stripe s."""
+            assert parity is not None
+            i = layout.parity_slot(pos, s)
+            return parity[i * cb : (i + 1) * cb]
+
+        for w0 in range(0, layout.stripes, window):
+            stripes = range(w0, min(w0 + window, layout.stripes))
+            data_reqs: list[Any] = []
+            parity_reqs: list[Any] = []
+            mine_to_encode = []
+            for s in stripes:
+                ppos = layout.parity_positions(s)
+                encoder = ppos[0]
+                for j in range(k):
+                    if layout.data_position(s, j) == pos:
+                        c = layout.data_chunk(s, j)
+                        if c is not None:
+                            view = h.chunk_view(rec, c)
+                            row = outbox[s - w0, : view.nbytes]
+                            row[:] = view
+                            for to in ppos if replicate else (encoder,):
+                                data_reqs += links.isend(row, rank_at[to], TAG_DATA)
+                if replicate:
+                    # RS(1, m) keeps copies: each copy holder receives the chunk in place
+                    if pos in ppos and parity is not None:
+                        data_reqs += receive_data(s, 0, parity_row(s))
+                elif encoder == pos:
+                    mine_to_encode.append(s)
+                    row0 = (s - w0) * k
+                    for j in range(k):
+                        data_reqs += receive_data(s, j, data_scratch[row0 + j])
+                elif pos in ppos and parity is not None:
+                    parity_reqs += links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
+            if w0 == 0:
+                h.phase("sending")
+            links.wait(data_reqs, f"data exchange of step {rec.step}", busy=True)
+            for s in mine_to_encode:
+                row0 = (s - w0) * k
+                outs = [parity_row(s)]
+                for i in range(1, m):
+                    outs.append(out_scratch[(s - w0) * (m - 1) + i - 1])
+                t0 = time.perf_counter()
+                rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
+                t_encode += time.perf_counter() - t0
+                ppos = layout.parity_positions(s)
+                for i in range(1, m):
+                    parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
+            links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=True)
+        encoded_stripes = (
+            0
+            if replicate
+            else sum(1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos)
+        )
+        h.stats["encode_bytes"] += encoded_stripes * k * cb
+        h.stats["encode_seconds"] += t_encode
+        if parity is not None:
+            n = len(layout.parity_stripes[pos])
+            loc.parity_crc = [checksum(parity[i * cb : (i + 1) * cb]) for i in range(n)]
+        if loc.crc_job is not None:
+            loc.data_crc = loc.crc_job.result()
+        loc.t["stored"] = time.monotonic()
+        h.emit(
+            {
+                "e": "stored",
+                "step": rec.step,
+                "parity": loc.parity,
+                "crc": {"data": loc.data_crc, "parity": loc.parity_crc},
+            }
+        )

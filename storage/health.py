@@ -1,0 +1,57 @@
+"""One daemon's state at a glance, typed: the :class:`~storage.protocol.Snapshot` behind the
+``info`` request, ``ecsnap status`` and ``/metrics``.
+
+Who calls it: the socket service (``info``) and the metrics collector at each scrape, on their
+own threads. What it owns: nothing. Lock: the host's ``lock`` while it reads; the persistent
+tier's listing (disk I/O) is taken before the lock, never under it.
+"""
+
+from __future__ import annotations
+
+from storage.catalog import StepState
+from storage.host import Host
+from storage.protocol import Snapshot
+from storage.tier import Tier
+
+__all__ = ["snapshot"]
+
+
+def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
+    h = host
+    persisted = tier.steps()  # I/O: before the lock
+    with h.lock:
+        data = parity = 0
+        for r in h.catalog.steps.values():
+            if r.state != StepState.PROTECTED:
+                continue
+            data += sum(s.nbytes for s in r.shards.values() if s.slot == h.slot)
+            layout, pos = h.my_layout(r)
+            parity += len(layout.parity_stripes[pos]) * h.chunk_bytes
+        return Snapshot(
+            job=h.config.job,
+            host=h.name,
+            slot=h.slot,
+            hosts=list(h.hosts),
+            k=h.group.k,
+            m=h.group.m,
+            health=h.health,
+            latest=h.catalog.latest(),
+            data_bytes=data,
+            parity_bytes=parity,
+            pool_bytes=h.pool.used,
+            memory_budget=h.config.memory_budget,
+            sent_bytes=h.links.counters.sent,
+            received_bytes=h.links.counters.received,
+            stats=dict(h.stats),
+            protected=h.catalog.protected(),
+            in_flight=sorted(s for s, r in h.catalog.steps.items() if r.state.in_flight),
+            lost={str(s): r.lost for s, r in h.catalog.steps.items() if r.state == StepState.LOST},
+            errors=dict(h.errors),
+            last_error=h.last_error,
+            degraded_stripes=h.degraded_stripes,
+            hosts_up=h.nslots,
+            hosts_missing=len(h.missing_slots),
+            metrics_port=metrics_port,
+            persist_dir=str(tier.root) if tier.root else None,
+            persisted=persisted,
+        )

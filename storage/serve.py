@@ -1,0 +1,138 @@
+"""``ecsnap serve``: its options, and the daemon's life as a process (signals, exit codes).
+
+    mpiexec -n HOSTS ecsnap serve --job NAME [options]
+
+Exit codes: 0 stopped by SIGTERM/SIGINT (every daemon together), 2 options or files that cannot
+work (:class:`ConfigError`), 3 a peer daemon dead or stuck (the job is aborted; relaunch it, the
+state stays on disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from storage.config import DEFAULT_ROOT, ServeConfig
+from storage.daemon import Daemon
+from storage.errors import ConfigError
+from storage.faults import FaultSpecError, Hooks
+from storage.host import log
+from transport.errors import PeerTimeoutError
+
+__all__ = ["main", "parse_args"]
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def parse_args(argv: Iterable[str] | None) -> ServeConfig:
+    p = argparse.ArgumentParser(
+        prog="ecsnap serve",
+        description="Run one ecsnap daemon per MPI rank: mpiexec -n HOSTS ecsnap serve --job NAME",
+    )
+    p.add_argument(
+        "--job", default=os.environ.get("ECSNAP_JOB"), required="ECSNAP_JOB" not in os.environ
+    )
+    p.add_argument("--root", default=os.environ.get("ECSNAP_ROOT", DEFAULT_ROOT))
+    p.add_argument("--k", type=int)
+    p.add_argument("--m", type=int)
+    p.add_argument(
+        "--virtual-hosts",
+        nargs="?",
+        const="",
+        default=None,
+        help="rank i acts as host<i> (or the i-th of a comma-separated list)",
+    )
+    p.add_argument("--chunk-bytes", type=_parse_size, default=1 << 20)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--memory-budget", type=_parse_size, default=None)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics here (virtual host i: PORT+i; 0: a free port)",
+    )
+    p.add_argument("--metrics-addr", default="0.0.0.0")
+    p.add_argument("--peer-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--persist-dir",
+        default=None,
+        help="persistent tier: protected steps also go to DIR/<job>/step-<step>/ (safetensors)",
+    )
+    p.add_argument(
+        "--persist-every", type=int, default=0, help="persist steps that are multiples of N"
+    )
+    p.add_argument("--persist-keep", type=int, default=2, help="persisted steps kept on disk")
+    a = p.parse_args(list(argv) if argv is not None else None)
+    vh: tuple[str, ...] | None = None
+    if a.virtual_hosts is not None:
+        vh = tuple(h for h in a.virtual_hosts.split(",") if h) if a.virtual_hosts else ()
+    return ServeConfig(
+        job=a.job,
+        root=Path(a.root),
+        k=a.k,
+        m=a.m,
+        chunk_bytes=a.chunk_bytes,
+        keep=a.keep,
+        memory_budget=a.memory_budget,
+        virtual_hosts=vh,
+        metrics_port=a.metrics_port,
+        metrics_addr=a.metrics_addr,
+        peer_timeout=a.peer_timeout,
+        persist_dir=Path(a.persist_dir).resolve() if a.persist_dir else None,
+        persist_every=a.persist_every,
+        persist_keep=a.persist_keep,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ConfigError as exc:
+        print(f"ecsnap serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        hooks = Hooks.from_spec(os.environ.get("ECSNAP_FAULTS"))
+    except FaultSpecError as exc:
+        print(f"ecsnap serve: ECSNAP_FAULTS: {exc}", file=sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        daemon = Daemon(config, comm, hooks)
+    except ConfigError as exc:
+        if comm.Get_rank() == 0:
+            print(f"ecsnap serve: {exc}", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, frame: Any) -> None:
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        daemon.start()
+        code = daemon.run()
+        log(daemon.host.name, f"stopped; state stays in {daemon.host.dir}")
+        return code
+    except ConfigError as exc:
+        print(f"ecsnap serve: {exc}", file=sys.stderr)
+        comm.Abort(2)
+        return 2
+    except PeerTimeoutError as exc:
+        log(daemon.host.name, f"{exc}")
+        comm.Abort(3)
+        return 3
+    finally:
+        daemon.close()

@@ -1,0 +1,398 @@
+"""The socket service: what a trainer's :class:`storage.Store` asks its host's daemon.
+
+Who calls it: the control server (:class:`transport.control.Server`), one thread per trainer
+connection, with each framed JSON request. What it owns: the puts being staged on this host
+(``host.pending``) and the refused-request counters. Lock: the host's ``lock`` around every read
+or change of shared state; it waits for rounds through :meth:`Host.wait_for`, never holding the
+lock across I/O.
+
+Requests (``op``): ``hello``, ``alloc``, ``staged``, ``abort``, ``wait``, ``get``, ``release``,
+``unlease``, ``steps``, ``status``, ``delete``, ``info``. A request that breaks the protocol is
+answered with a :class:`StorageError` naming the field; a bug in the daemon is answered as an
+internal error and logged with its traceback, never as a bad request.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from storage.catalog import StepRec, StepState
+from storage.errors import (
+    SnapshotUnrecoverableError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    from_wire,
+    to_wire,
+)
+from storage.fetch import Fetcher
+from storage.host import Host
+from storage.leases import Leases
+from storage.protocol import Snapshot
+from storage.repair import Repairer
+from storage.tier import Tier
+from transport.control import Connection
+
+__all__ = ["Service"]
+
+
+def _int(msg: dict[str, Any], key: str, low: int = 0) -> int:
+    v = msg.get(key)
+    if type(v) is not int or v < low:
+        raise StorageError(f"{key} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
+    v = msg.get(key)
+    if not isinstance(v, kind):
+        raise StorageError(f"bad request {msg.get('op')!r}: {key} must be a {kind.__name__}")
+    return v
+
+
+class Service:
+    def __init__(
+        self,
+        host: Host,
+        leases: Leases,
+        tier: Tier,
+        fetcher: Fetcher,
+        repairer: Repairer,
+        snapshot: Any,
+    ) -> None:
+        self.host = host
+        self.leases = leases
+        self.tier = tier
+        self.fetcher = fetcher
+        self.repairer = repairer
+        self.snapshot = snapshot  # () -> Snapshot
+
+    def handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
+        op = msg.get("op")
+        msg["_conn"] = id(conn)
+        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise StorageError(f"unknown request {op!r}")
+            reply: dict[str, Any] = handler(msg)
+            reply.setdefault("ok", True)
+            return reply
+        except StorageError as exc:
+            self._count(exc)
+            return to_wire(exc)
+        except Exception as exc:  # a bug here: say so, and keep serving
+            self.host.log(f"internal error answering {op!r}:\n{traceback.format_exc()}")
+            err = StorageError(
+                f"internal error in the daemon of host {self.host.name} answering {op!r}: "
+                f"{type(exc).__name__}: {exc} (a bug: its log has the traceback)"
+            )
+            self._count(err)
+            return to_wire(err)
+
+    def closed(self, conn: Connection) -> None:
+        """A trainer went away: its views went with it, and so did the puts it was staging."""
+        h = self.host
+        self.leases.end_all(id(conn))
+        with h.lock:
+            for key in [k for k, c in h.pending_conn.items() if c == id(conn)]:
+                del h.pending_conn[key]
+                name = h.pending.pop(key, "")
+                h.t_alloc.pop(key, None)
+                if name:
+                    h.pool.release(name)
+
+    def _count(self, exc: StorageError) -> None:
+        h = self.host
+        with h.lock:
+            kind = type(exc).__name__
+            h.errors[kind] = h.errors.get(kind, 0) + 1
+            h.last_error = f"{kind}: {exc}"
+
+    # -- putting ----------------------------------------------------------------------------------
+
+    def _op_hello(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        if msg.get("job") != h.config.job:
+            raise StorageError(f"this daemon serves job {h.config.job!r}, not {msg.get('job')!r}")
+        return {
+            "host": h.name,
+            "slot": h.slot,
+            "hosts": h.hosts,
+            "health": h.health,
+            "k": h.group.k,
+            "m": h.group.m,
+            "chunk_bytes": h.config.chunk_bytes,
+        }
+
+    def _op_alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        h.phase("staging")
+        step, rank = _int(msg, "step"), _int(msg, "rank")
+        world, nbytes = _int(msg, "world_size", 1), _int(msg, "nbytes")
+        if rank >= world:
+            raise StorageError(f"rank {rank} is not below world_size {world}")
+        with h.lock:
+            rec = h.catalog.steps.get(step)
+            # A rank may put an unfinished step again (a restarted trainer redoing it): its new
+            # shard replaces the old one. Once every rank has staged it, the step is written.
+            if rec is not None and rec.state not in (StepState.STAGING, StepState.LOST):
+                raise StepExistsError(
+                    f"step {step} was already put by every rank (it is {rec.state}; steps are "
+                    "write-once); delete it first or put a new step"
+                )
+            if (step, rank) in h.pending:
+                raise StepExistsError(f"rank {rank} is already putting step {step}")
+            if rec is not None and rec.world_size != world:
+                raise StorageError(
+                    f"step {step} is being put with world_size {rec.world_size}, not {world}"
+                )
+            h.pending[(step, rank)] = ""
+        try:
+            reserve = -(-nbytes * h.m // h.group.k)
+            buf = h.pool.take(nbytes, f"r{rank}-", reserve=reserve)
+        except StorageError:
+            with h.lock:
+                h.pending.pop((step, rank), None)
+                h.pending_conn.pop((step, rank), None)
+            raise
+        with h.lock:
+            h.pending[(step, rank)] = buf.name
+            h.pending_conn[(step, rank)] = int(msg["_conn"])
+            h.t_alloc[(step, rank)] = time.monotonic()
+        return {"buffer": buf.name, "path": str(h.pool.path(buf.name)), "size": buf.size}
+
+    def _op_staged(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        step, rank = _int(msg, "step"), _int(msg, "rank")
+        world, nbytes = _int(msg, "world_size", 1), _int(msg, "nbytes")
+        meta = _field(msg, "meta", dict)
+        with h.lock:
+            name = h.pending.pop((step, rank), None)
+            h.pending_conn.pop((step, rank), None)
+            if not name or name != msg.get("buffer"):
+                raise StorageError(f"step {step} rank {rank} was not allocated on this host")
+            shard = {"rank": rank, "slot": h.slot, "nbytes": nbytes, "buffer": name, "meta": meta}
+            h.announced.add(step)
+            t_alloc = h.t_alloc.get((step, rank))
+            if t_alloc is not None:
+                h.latency.stage.observe(time.monotonic() - t_alloc)
+            h.events.append({"e": "staged", "step": step, "world_size": world, "shard": shard})
+        h.wake.set()
+        return {}
+
+    def _op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        step, rank = _int(msg, "step"), _int(msg, "rank")
+        with h.lock:
+            name = h.pending.pop((step, rank), None)
+            h.pending_conn.pop((step, rank), None)
+        h.pool.release(name or None)
+        return {}
+
+    def _op_wait(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        step = _int(msg, "step")
+        timeout = float(msg.get("timeout") or h.config.peer_timeout)
+        outcome: dict[str, Any] = {}
+
+        def settled() -> bool:
+            rec = h.catalog.steps.get(step)
+            if (rec is not None and rec.state == StepState.PROTECTED) or (
+                step in h.catalog.recently_protected and step not in h.announced
+            ):
+                outcome["ok"] = True
+            elif step in h.catalog.failed:
+                outcome["error"] = from_wire(h.catalog.failed[step])
+            elif (
+                rec is None and step not in h.announced and not any(s == step for s, _ in h.pending)
+            ):
+                outcome["error"] = StepNotFoundError(
+                    f"step {step} is not being put (deleted?)", step
+                )
+            return bool(outcome)
+
+        try:
+            h.wait_for(settled, timeout, f"the protection of step {step}")
+        except StorageError as exc:
+            raise type(exc)(f"{exc}; the storage job may be stuck or a rank never put it") from exc
+        if "error" in outcome:
+            raise outcome["error"]
+        h.after_next_round()  # every host has written its manifest
+        return {"step": step}
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def _resolve(self, step: Any) -> StepRec:
+        h = self.host
+        cat = h.catalog
+        with h.lock:
+            if step is None:
+                latest = cat.latest()
+                lost = [s for s, r in cat.steps.items() if r.state == StepState.LOST]
+                if latest is None and lost:
+                    step = max(lost)  # nothing can be read: say what was lost
+                elif latest is None:
+                    raise StepNotFoundError("no protected step yet", None)
+                else:
+                    step = latest
+            if type(step) is not int or step < 0:
+                raise StorageError(f"step must be an int >= 0 or None, got {step!r}")
+            rec = cat.steps.get(step)
+            if rec is not None and rec.state == StepState.LOST:
+                newest = cat.latest()
+                raise SnapshotUnrecoverableError(
+                    f"step {step} cannot be rebuilt: hosts {rec.lost['lost_hosts']} lost more "
+                    f"than m={h.m} chunks of a stripe, so ranks {rec.lost['ranks']} are gone. "
+                    + (
+                        f"The newest step that can be read is {newest}: get(None) returns it."
+                        if newest is not None
+                        else "No step can be read from memory."
+                    ),
+                    lost_hosts=rec.lost["lost_hosts"],
+                    ranks=rec.lost["ranks"],
+                    newest_recoverable=newest,
+                    step=step,
+                )
+            if rec is None or rec.state != StepState.PROTECTED:
+                held = cat.protected()
+                raise StepNotFoundError(
+                    f"step {step} is not protected on job {h.config.job!r} "
+                    f"(protected steps: {held or 'none'})",
+                    step,
+                )
+            return rec
+
+    def _op_get(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A shard: from this host's memory (checked), or fetched from the host holding it.
+
+        A chunk that fails its checksum (or a truncated file) is repaired from its group by all
+        daemons in the next round, and the read tried again.
+        """
+        h = self.host
+        rank = _int(msg, "rank")
+        want = msg.get("step")
+        meta_only = bool(msg.get("meta_only"))
+        self.tier.await_restore(want)
+        for _attempt in range(3):
+            disk = self.tier.steps()
+            if want is None and disk:
+                with h.lock:
+                    latest = h.catalog.latest()
+                if latest is None or disk[-1] > latest:
+                    return self.tier.read(disk[-1], rank, meta_only)
+            try:
+                rec = self._resolve(want)
+            except (StepNotFoundError, SnapshotUnrecoverableError):
+                if want in disk:  # memory cannot serve it: the persistent tier can
+                    return self.tier.read(int(want), rank, meta_only)
+                raise
+            shard = rec.shards.get(rank)
+            if shard is None:
+                raise StepNotFoundError(
+                    f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
+                )
+            out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
+            if meta_only:
+                return out  # the structure only: every daemon's catalog holds it
+            if shard.slot == h.slot:
+                bad = self.repairer.lost_chunks(rec, rank)
+                if not bad:
+                    self.leases.take(shard.buffer, int(msg["_conn"]))
+                    return {
+                        **out,
+                        "path": str(h.pool.path(shard.buffer)),
+                        "size": h.pool.get(shard.buffer).size,
+                        "buffer": shard.buffer,
+                        "temp": False,
+                    }
+                h.stats["checksum_failures"] += len(bad)
+                h.log(
+                    f"step {rec.step} rank {rank}: {len(bad)} chunk(s) fail their "
+                    "checksum here; repairing from the group"
+                )
+                self.repairer.request(rec.step, h.slot, bad)
+                continue
+            result = self.fetcher.fetch(rec, rank)
+            if "bad" in result:
+                self.repairer.request(rec.step, int(result["slot"]), result["bad"])
+                continue
+            return {**out, "path": result["path"], "size": result["size"], "temp": True}
+        raise StorageError(
+            f"step {want} rank {rank}: chunks still fail their checksums after repair"
+        )
+
+    def _op_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        path = Path(str(msg.get("path")))
+        if path.parent != self.host.dir / "tmp":
+            raise StorageError(f"{path} is not a temporary file of this daemon")
+        path.unlink(missing_ok=True)
+        return {}
+
+    def _op_unlease(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The views of one get of each named buffer are gone (a name once per get; the buffer
+        may be reused when every lease on it has ended)."""
+        for name in _field(msg, "buffers", list):
+            self.leases.end(str(name), int(msg["_conn"]))
+        return {}
+
+    # -- the catalog -------------------------------------------------------------------------------
+
+    def _op_steps(self, msg: dict[str, Any]) -> dict[str, Any]:
+        disk = self.tier.steps()
+        with self.host.lock:
+            return {"steps": self.host.catalog.protected(), "disk": disk}
+
+    def _op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        step = _int(msg, "step")
+        disk = self.tier.steps()
+        with h.lock:
+            rec = h.catalog.steps.get(step)
+            if rec is not None:
+                parity = 0
+                for g in h.groups:
+                    lay = rec.layouts.get(g.index)
+                    if lay is not None:
+                        parity += lay.stripes * g.m * h.config.chunk_bytes
+                return {
+                    "step": step,
+                    "world_size": rec.world_size,
+                    "state": str(rec.state),
+                    "ranks_staged": sorted(rec.shards),
+                    "hosts": sorted({h.hosts[s.slot] for s in rec.shards.values()}),
+                    "data_bytes": rec.nbytes(),
+                    "parity_bytes": parity,
+                }
+        if step not in disk:
+            raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
+        m = self.tier.manifest(step)
+        return {
+            "step": step,
+            "world_size": m["world_size"],
+            "state": "persisted",
+            "ranks_staged": sorted(int(r) for r in m["ranks"]),
+            "hosts": sorted({e["host"] for e in m["ranks"].values()}),
+            "data_bytes": sum(int(e["nbytes"]) for e in m["ranks"].values()),
+            "parity_bytes": 0,
+        }
+
+    def _op_delete(self, msg: dict[str, Any]) -> dict[str, Any]:
+        h = self.host
+        step = _int(msg, "step")
+        with h.lock:
+            if step not in h.catalog.steps:
+                raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
+        h.emit({"e": "delete", "step": step})
+        h.wait_for(
+            lambda: step not in h.catalog.steps, h.config.peer_timeout, f"deleting step {step}"
+        )
+        h.after_next_round()  # every host has removed its manifest: a restart agrees
+        return {}
+
+    def _op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Counters for benchmarks and status: bytes held and moved, health, repairs."""
+        snap: Snapshot = self.snapshot()
+        return snap.to_json()
