@@ -1,12 +1,23 @@
 """Adoption at start-up: what a relaunched daemon finds in its host directory becomes state again.
 
 Who calls it: :meth:`storage.daemon.Daemon.start`, once, on every daemon (it is collective).
-The steps, as in :mod:`storage.recovery`: claim a slot; agree on every step's manifest; check
-every chunk; rebuild the newest step that can be rebuilt before serving, mark the ones that
-cannot as lost, and leave older rebuilds to the round engine; delete the files of steps that
-never became protected; put the newest persisted step back if memory holds nothing as new.
-What it owns: nothing after it returns. Lock: the host's ``lock`` is not needed yet (no other
-thread runs); it is taken where the catalog changes all the same.
+The steps, as in :mod:`storage.recovery`:
+
+1. claim a slot (job-wide: each daemon's claim, layout and the steps it holds a manifest of);
+   make the group's communicator;
+2. agree on the steps: one a group holds no manifest of, while some of its hosts survived, was
+   never acknowledged (the job died as it was protected): it is dropped everywhere; one whose
+   group lost every host is lost;
+3. within each group, agree on every step's manifest (a host without a valid copy takes its
+   group's) and check every chunk; the erasures are the group's to plan;
+4. steps a group cannot rebuild are lost, job-wide; the newest step a group can rebuild is
+   rebuilt before serving, older ones are left to the round engine, one per round;
+5. delete the files of steps that never became protected, and put the newest persisted step
+   back if memory holds nothing as new.
+
+The job-wide gathers here grow with the job; they run once, at start-up, never per step.
+What it owns: nothing after it returns. Lock: no other thread runs yet; the catalog is changed
+under the host's ``lock`` all the same.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import time
 from typing import Any
 
 from storage import recovery
-from storage.catalog import StepState
+from storage.catalog import StepRec, StepState
 from storage.errors import ConfigError
 from storage.host import Host, Local
 from storage.recovery import Erasures
@@ -28,6 +39,7 @@ __all__ = ["adopt"]
 def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) -> None:
     """Claim a slot, agree on manifests, check chunks, rebuild what was lost (collective)."""
     h = host
+    t0 = time.monotonic()
     valid, bad = recovery.scan(h.dir)
     for name in bad:
         h.stats["checksum_failures"] += 1
@@ -44,9 +56,12 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             "groups": newest["groups"],
             "chunk_bytes": newest["chunk_bytes"],
         }
-    digests = {str(s): m["checksum"] for s, m in valid.items()}
+    # what the job agreed on per step travels along, for a group that lost every host
+    summary = {
+        str(s): [m["world_size"], m["data_bytes"], m["parity_bytes"]] for s, m in valid.items()
+    }
     everyone = h.links.allgather_json(
-        {"claim": claim, "layout": layout, "steps": digests}, "adoption"
+        {"claim": claim, "layout": layout, "steps": summary}, "adoption"
     )
     layouts = [e["layout"] for e in everyone if e["layout"] is not None]
     if layouts:
@@ -63,65 +78,97 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     h.rank_of = [final.index(s) for s in range(h.nslots)]
     h.slot = final[h.rank]
     h.hosts = [hosts_by_rank[h.rank_of[s]] for s in range(h.nslots)]
-    # manifests: each step from the lowest rank holding a valid copy
-    source: dict[str, int] = {}
-    for r, e in enumerate(everyone):
-        for step in e["steps"]:
-            source.setdefault(step, r)
-    share = {s: valid[int(s)] for s, r in source.items() if r == h.rank}
+    h.join_group()
+    g = h.group
+    by_slot = {final[r]: e for r, e in enumerate(everyone)}
+    known: dict[int, list[int]] = {}
+    for e in everyone:
+        known.update({int(s): v for s, v in e["steps"].items()})
+    if known:
+        h.missing_slots = {s for s, e in by_slot.items() if e["claim"] is None}
+    adopted, lost_groups = _agree(h, by_slot, known)
+    # the group's manifests: each step from its first host holding a valid copy
+    mine = {
+        str(s): valid[s]
+        for s in adopted
+        if s in valid and min(sl for sl in g.slots if str(s) in by_slot[sl]["steps"]) == h.slot
+    }
     manifests: dict[int, dict[str, Any]] = {}
-    for part in h.links.allgather_json(share, "manifests"):
+    for part in h.gl.allgather_json(mine, "manifests"):
         manifests.update({int(s): m for s, m in part.items()})
-    for step in sorted(manifests):
-        h.catalog.steps[step] = recovery.rec_from_manifest(manifests[step], h.catalog)
-    h.stats["adopted_steps"] = len(manifests)
-    # every host checks its own chunks; the erasures of all are everyone's to plan
-    t0 = time.monotonic()
-    mine = {str(step): repairer.verify(rec).to_json() for step, rec in h.catalog.steps.items()}
+    with h.lock:
+        for step in adopted:
+            if step in manifests:
+                h.catalog.steps[step] = recovery.rec_from_manifest(manifests[step], h.catalog)
+            else:  # this group lost every host: nothing of it can be rebuilt
+                world, data, parity = known[step]
+                h.catalog.steps[step] = StepRec(
+                    step, world, StepState.PROTECTED, data_bytes=data, parity_bytes=parity
+                )
+    h.stats["adopted_steps"] = len(adopted)
+    # every host checks its own chunks; the erasures of the group are the group's to plan
+    t1 = time.monotonic()
+    checked = {
+        str(step): repairer.verify(rec).to_json()
+        for step, rec in h.catalog.steps.items()
+        if step in manifests
+    }
     erasures: dict[int, dict[int, Erasures]] = {}
-    for r, part in enumerate(h.links.allgather_json(mine, "erasures")):
+    for pos, part in enumerate(h.gl.allgather_json(checked, "erasures")):
         for step, e in part.items():
             er = Erasures.from_json(e)
             if er:
-                erasures.setdefault(int(step), {})[final[r]] = er
+                erasures.setdefault(int(step), {})[g.slots[pos]] = er
+    # lost: beyond repair in some group, or in a group that lost every host
+    lost_here: dict[str, Any] = {}
+    for step, by_slot in erasures.items():
+        slots = repairer.lost_slots(h.catalog.steps[step], by_slot)
+        if slots:
+            rec = h.catalog.steps[step]
+            lost_here[str(step)] = recovery.lost_parts(rec, {s: by_slot[s] for s in slots}, h.hosts)
+    for step in lost_groups.get(g.index, []):
+        lost_here[str(step)] = ([h.hosts[s] for s in g.slots], [])
+    lost: dict[int, tuple[list[str], list[int]]] = {}
+    for part in h.links.allgather_json(lost_here if g.position(h.slot) == 0 else {}, "lost"):
+        for step, (hosts, ranks) in part.items():
+            old = lost.get(int(step), ([], []))
+            lost[int(step)] = (sorted({*old[0], *hosts}), sorted({*old[1], *ranks}))
+    with h.lock:
+        for step, (hosts, ranks) in lost.items():
+            rec = h.catalog.steps[step]
+            rec.state = StepState.LOST
+            rec.lost = {"lost_hosts": hosts, "ranks": ranks}
+            h.stats["lost_steps"] += 1
+            h.log(
+                f"step {step} cannot be rebuilt: more than m chunks of a stripe lost on {hosts} "
+                f"(ranks {ranks or 'of that group'})"
+            )
     if erasures:
         h.health = "rebuilding"
-        h.missing_slots = {
-            final[r] for r, e in enumerate(everyone) if e["claim"] is None and manifests
-        }
         h.degraded_stripes = repairer.degraded(list(erasures.items()))
         h.write_health()
-    t1 = time.monotonic()
+    t2 = time.monotonic()
     # The newest step that can be rebuilt is rebuilt before serving (it is what a restarting
-    # trainer reads); steps that cannot are marked lost now (cheap); older ones are rebuilt
-    # in the background, one per round, the same queue on every daemon. The newest step's
-    # parity is rebuilt before serving too: deferring it served 25% sooner (0.71 s against
-    # 0.94 s for 1.5 GB, RS(3,1)), but a second loss in the group right after the relaunch
-    # then lost the newest step (tried and measured).
-    rebuilt_one = False
-    for step in sorted(erasures, reverse=True):
-        rec = h.catalog.steps[step]
-        if rebuilt_one and not repairer.lost_slots(rec, erasures[step]):
+    # trainer reads); older ones are rebuilt in the background, one per round, the same queue on
+    # every daemon of the group. The newest step's parity is rebuilt before serving too:
+    # deferring it served 25% sooner (0.71 s against 0.94 s for 1.5 GB, RS(3,1)), but a second
+    # loss in the group right after the relaunch then lost the newest step (tried and measured).
+    todo = sorted((s for s in erasures if s not in lost), reverse=True)
+    for i, step in enumerate(todo):
+        if i:
             repairer.deferred.append((step, erasures[step]))
-            continue
-        repairer.repair(rec, erasures[step])
-        rebuilt_one = rebuilt_one or rec.state == StepState.PROTECTED
-    h.stats["startup_rebuild_seconds"] = time.monotonic() - t1
-    if h.trace:
-        h.log(
-            f"adoption: verify {(t1 - t0) * 1e3:.1f}ms, repair "
-            f"{(time.monotonic() - t1) * 1e3:.1f}ms"
-        )
+        else:
+            repairer.repair(h.catalog.steps[step], erasures[step])
+    h.stats["startup_rebuild_seconds"] = time.monotonic() - t2
     # files of steps that never became protected (the job died mid-put) are not state
-    keep = {
-        s.buffer for r in h.catalog.steps.values() for s in r.shards.values() if s.slot == h.slot
-    }
-    keep |= {r.parity[h.slot] for r in h.catalog.steps.values() if h.slot in r.parity}
+    steps = h.catalog.steps
+    keep = {s.buffer for r in steps.values() for s in r.shards.values() if s.slot == h.slot}
+    keep |= {r.parity[h.slot] for r in steps.values() if h.slot in r.parity}
     removed = h.pool.sweep(keep)
     for name in list(h.pool.files):
         if name not in keep:
             h.pool.drop(name)
-    for step, rec in h.catalog.steps.items():
+    for step, rec in steps.items():
         loc = h.local.setdefault(step, Local())
         loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == h.slot}
         loc.parity = rec.parity.get(h.slot)
@@ -130,6 +177,9 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             h.write_manifest(rec, loc)
         else:
             h.remove_manifest(step)
+    for step in valid:
+        if step not in steps:
+            h.remove_manifest(step)  # dropped: never acknowledged
     tier.restore_newest()
     if repairer.deferred:
         h.degraded_stripes = repairer.degraded(repairer.deferred)
@@ -138,13 +188,43 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         h.degraded_stripes = 0
         h.missing_slots = set()
     h.write_health()
-    if manifests or removed:
-        lost = [s for s, r in h.catalog.steps.items() if r.state == StepState.LOST]
+    if adopted or removed:
         h.log(
-            f"adopted {len(manifests)} step(s) as slot {h.slot}; rebuilt "
-            f"{int(h.stats['rebuilt_chunks'])} chunk(s) here; lost steps {lost or 'none'}; "
-            f"removed {len(removed)} file(s) of unfinished steps"
+            f"adopted {len(adopted)} step(s) as slot {h.slot}: checked in "
+            f"{(t2 - t1) * 1e3:.0f} ms, rebuilt {int(h.stats['rebuilt_chunks'])} chunk(s) here "
+            f"in {(time.monotonic() - t2) * 1e3:.0f} ms ({len(repairer.deferred)} older step(s) "
+            f"left to rebuild while serving); lost steps {sorted(lost) or 'none'}; removed "
+            f"{len(removed)} file(s) of unfinished steps; {(time.monotonic() - t0):.2f} s in all"
         )
+
+
+def _agree(
+    h: Host, by_slot: dict[int, dict[str, Any]], known: dict[int, list[int]]
+) -> tuple[list[int], dict[int, list[int]]]:
+    """The steps every daemon adopts, and per group index the steps it lost every host of.
+
+    A step is adopted when every group either holds a manifest of it (on some host) or lost
+    every host (then the step is lost). A group with surviving hosts but no manifest of the step
+    never finished writing it: the job died as it was protected, before any trainer was told
+    (that waits until every host has written its manifest), so it is dropped everywhere."""
+    adopted = []
+    lost_groups: dict[int, list[int]] = {}
+    for step in sorted(known):
+        fully_lost = []
+        complete = True
+        for grp in h.groups:
+            holders = [s for s in grp.slots if str(step) in by_slot[s]["steps"]]
+            if holders:
+                continue
+            if all(by_slot[s]["claim"] is None for s in grp.slots):
+                fully_lost.append(grp.index)
+            else:
+                complete = False
+        if complete:
+            adopted.append(step)
+            for gi in fully_lost:
+                lost_groups.setdefault(gi, []).append(step)
+    return adopted, lost_groups
 
 
 def _check_layout(h: Host, layouts: list[dict[str, Any]]) -> None:

@@ -1,15 +1,19 @@
-"""The replicated catalog of steps: a state machine every daemon applies to the same event log.
+"""The catalog of steps: what the whole job agrees on, and what this host's group knows in detail.
 
-Each round the daemons allgather their new events and apply them in slot order, so every daemon
-holds the same catalog and takes the same decisions (which step is ready, when it is protected,
-which step retention evicts) without a leader. A step moves
+Every daemon applies the same reduced :class:`~storage.protocol.Ballot` each round, so the
+job-wide part of the catalog is the same everywhere without a leader: each step's state, world
+size, total bytes, and retention's choices. Steps in flight hold a *lane* of the ballot, the
+same on every daemon. The group part (each shard's record, every member's checksums and parity
+file, the stripe layout) is known only on the hosts of the step's group, which apply their
+group's events each round: its size grows with the group, never with the job.
 
-    staging --(all world_size shards staged)--> ready --(every daemon prepared)--> encoding
-    encoding --(every daemon stored its parity)--> protected
-    ready --(a daemon could not prepare: no memory)--> failed
-    protected --(more than m chunks of a stripe lost: see recovery)--> lost
+A step moves (see :class:`~storage.protocol.StepState`)::
 
-and only ``protected`` steps are visible to readers. No I/O here.
+    STAGING --(world_size ranks staged)--> READY --(every daemon prepared)--> ENCODING
+    ENCODING --(every daemon stored)--> PROTECTED,   STAGING/READY --> FAILED,   PROTECTED --> LOST
+
+Who calls it: the round engine is the only writer; every other thread reads under the host's
+lock. No I/O here.
 """
 
 from __future__ import annotations
@@ -17,64 +21,60 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import StorageError, to_wire
+from storage.errors import CapacityError, StorageError, to_wire
 from storage.placement import Group, HostBlob, StripeLayout
-from storage.protocol import StepState
+from storage.protocol import LANES, Ballot, ShardRecord, StepState
 
 __all__ = ["Catalog", "ShardRec", "StepRec", "StepState"]
 
-
-@dataclass
-class ShardRec:
-    rank: int
-    slot: int
-    nbytes: int
-    buffer: str
-    meta: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "slot": self.slot,
-            "nbytes": self.nbytes,
-            "buffer": self.buffer,
-            "meta": self.meta,
-        }
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> ShardRec:
-        return ShardRec(
-            int(d["rank"]), int(d["slot"]), int(d["nbytes"]), str(d["buffer"]), d["meta"]
-        )
+ShardRec = ShardRecord
 
 
 @dataclass
 class StepRec:
+    """One step: the job-wide part first, then the part this host's group knows."""
+
     step: int
-    world_size: int
-    shards: dict[int, ShardRec] = field(default_factory=dict)
+    world_size: int = 0  # 0 until a rank of it is counted
     state: StepState = StepState.STAGING
-    prepared: dict[int, dict[str, Any] | None] = field(default_factory=dict)
-    stored: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lane: int | None = None
+    # job-wide, accumulated from the ballots while in flight
+    staged: int = 0
+    rank_sum: int = 0
+    rank_sq: int = 0
+    data_bytes: int = 0
+    prepared: int = 0
+    prep_failed: int = 0
+    fail_slot: int | None = None
+    stored_count: int = 0
+    parity_bytes: int = 0
+    world_min: int | None = None
     error: dict[str, Any] | None = None  # why it failed, as an error reply (errors.to_wire)
+    lost: dict[str, Any] = field(default_factory=dict)  # why it cannot be rebuilt
+    # this host's group only
+    shards: dict[int, ShardRecord] = field(default_factory=dict)  # rank -> its shard record
+    stored: dict[int, dict[str, Any]] = field(default_factory=dict)  # slot -> its checksums
     parity: dict[int, str] = field(default_factory=dict)  # slot -> its parity file
-    lost: dict[str, Any] = field(default_factory=dict)  # why a step cannot be rebuilt
     blobs: dict[int, HostBlob] = field(default_factory=dict)
     layouts: dict[int, StripeLayout] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards.values())
+        """Bytes of every rank's shard (the whole job's)."""
+        return self.data_bytes
 
 
 class Catalog:
-    """Steps by number, as every daemon of the job sees them."""
+    """Steps by number, as this host sees them (module docstring)."""
 
     def __init__(self, groups: list[Group], slots: int, chunk_bytes: int, keep: int) -> None:
         self.groups = groups
         self.slots = slots
         self.chunk_bytes = chunk_bytes
         self.keep = keep
+        self.group: Group | None = None  # this host's group, once its slot is known
+        self.hosts: list[str] = []  # by slot, for messages
         self.steps: dict[int, StepRec] = {}
+        self.lanes: list[int | None] = [None] * LANES
         self.recently_protected: dict[int, None] = {}  # insertion-ordered, bounded
         self.failed: dict[int, dict[str, Any]] = {}  # step -> the error that failed it (to_wire)
         self.group_of = {slot: g for g in groups for slot in g.slots}
@@ -88,42 +88,177 @@ class Catalog:
         p = self.protected()
         return p[-1] if p else None
 
-    # -- transitions -----------------------------------------------------------------------------
+    def lane_of(self, step: int) -> int | None:
+        rec = self.steps.get(step)
+        return rec.lane if rec is not None else None
 
-    def apply(self, slot: int, event: dict[str, Any]) -> None:
-        kind = event.get("e")
-        if kind == "staged":
-            self._staged(event)
-        elif kind == "prepared":
-            rec = self.steps.get(int(event["step"]))
-            if rec is not None and rec.state == StepState.READY:
-                rec.prepared[slot] = event.get("error")
-                if len(rec.prepared) == self.slots:
-                    errors = [e for e in rec.prepared.values() if e]
-                    if errors:
-                        rec.state, rec.error = StepState.FAILED, errors[0]
-                    else:
-                        rec.state = StepState.ENCODING
-        elif kind == "stored":
-            rec = self.steps.get(int(event["step"]))
-            if rec is not None and rec.state == StepState.ENCODING:
-                rec.stored[slot] = event.get("crc", {})
-                if event.get("parity"):
-                    rec.parity[slot] = str(event["parity"])
-                if len(rec.stored) == self.slots:
-                    rec.state = StepState.PROTECTED
-                    # retention may drop it in this same round: a late waiter must still learn
-                    # that it was protected
-                    self.recently_protected[rec.step] = None
-                    while len(self.recently_protected) > 4096:
-                        self.recently_protected.pop(next(iter(self.recently_protected)))
-                    for old in self.evictions():
-                        del self.steps[old]
-                    for old in [s for s, r in self.steps.items() if r.state == StepState.LOST]:
-                        if old < rec.step:
-                            del self.steps[old]  # a newer step is protected: no use any more
-        elif kind == "delete":
-            self.steps.pop(int(event["step"]), None)
+    # -- the group's events ------------------------------------------------------------------------
+
+    def staged(self, step: int, shard: ShardRecord) -> ShardRecord | None:
+        """A group member staged ``shard``; returns the record it replaces (a rank putting an
+        unfinished step again), if any."""
+        rec = self.steps.get(step)
+        if rec is None or rec.state != StepState.STAGING:
+            return None
+        old = rec.shards.get(shard.rank)
+        rec.shards[shard.rank] = shard
+        return old
+
+    def stored(self, slot: int, step: int, parity: str | None, crc: dict[str, Any]) -> None:
+        rec = self.steps.get(step)
+        if rec is None or rec.state != StepState.ENCODING:
+            return
+        rec.stored[slot] = crc
+        if parity:
+            rec.parity[slot] = parity
+
+    # -- the job's ballot --------------------------------------------------------------------------
+
+    def assign(self, step: int) -> StepRec | None:
+        """Give the new ``step`` a lane (the lowest free one); None if every lane is taken."""
+        free = [i for i, s in enumerate(self.lanes) if s is None]
+        if not free:
+            return None
+        old = self.steps.get(step)
+        if old is not None and old.state == StepState.LOST:
+            del self.steps[step]  # a lost step's number may be put afresh
+        self.recently_protected.pop(step, None)
+        self.failed.pop(step, None)
+        rec = self.steps[step] = StepRec(step, lane=free[0])
+        self.lanes[free[0]] = step
+        return rec
+
+    def oldest_staging(self) -> int | None:
+        staging = [
+            s for s in self.lanes if s is not None and self.steps[s].state == StepState.STAGING
+        ]
+        return min(staging) if staging else None
+
+    def count(self, b: Ballot) -> list[StepRec]:
+        """Apply the job's reduced ballot to every step in a lane; return the steps whose state
+        changed, in step order."""
+        changed = []
+        for lane, step in enumerate(self.lanes):
+            if step is None:
+                continue
+            rec = self.steps[step]
+            before = rec.state
+            self._count_lane(rec, lane, b)
+            if rec.state != before:
+                changed.append(rec)
+                if not rec.state.in_flight:
+                    self.lanes[lane] = None
+                    rec.lane = None
+        for rec in sorted(changed, key=lambda r: r.step):
+            if rec.state == StepState.PROTECTED:
+                self._protected(rec)
+        return sorted(changed, key=lambda r: r.step)
+
+    def _count_lane(self, rec: StepRec, lane: int, b: Ballot) -> None:
+        rec.staged += b.sum(lane, Ballot.STAGED)
+        rec.rank_sum += b.sum(lane, Ballot.RANK_SUM)
+        rec.rank_sq += b.sum(lane, Ballot.RANK_SQ)
+        rec.data_bytes += b.sum(lane, Ballot.DATA_BYTES)
+        rec.prepared += b.sum(lane, Ballot.PREPARED)
+        rec.prep_failed += b.sum(lane, Ballot.PREP_FAILED)
+        rec.stored_count += b.sum(lane, Ballot.STORED)
+        rec.parity_bytes += b.sum(lane, Ballot.PARITY_BYTES)
+        world, world_neg = b.max(lane, Ballot.WORLD), b.max(lane, Ballot.WORLD_NEG)
+        if world is not None and world_neg is not None:
+            rec.world_size = max(rec.world_size, world)
+            low = -world_neg
+            rec.world_min = low if rec.world_min is None else min(rec.world_min, low)
+        fail = b.max(lane, Ballot.FAIL_SLOT_NEG)
+        if fail is not None:
+            slot = -fail
+            rec.fail_slot = slot if rec.fail_slot is None else min(rec.fail_slot, slot)
+        if rec.state == StepState.STAGING:
+            self._staging(rec)
+        if rec.state == StepState.READY and rec.prepared + rec.prep_failed == self.slots:
+            if rec.prep_failed:
+                host = self._host(rec.fail_slot)
+                rec.state = StepState.FAILED
+                rec.error = to_wire(
+                    CapacityError(
+                        f"step {rec.step} failed: host {host} had no memory for its parity "
+                        f"(over --memory-budget or /dev/shm full); raise the budget, lower "
+                        "--keep, or delete old steps. Nothing stored was touched."
+                    )
+                )
+            else:
+                rec.state = StepState.ENCODING
+        if rec.state == StepState.ENCODING and rec.stored_count == self.slots:
+            rec.state = StepState.PROTECTED
+
+    def _staging(self, rec: StepRec) -> None:
+        w = rec.world_size
+        if rec.world_min is not None and rec.world_min != w:
+            self._fail(
+                rec,
+                f"ranks put step {rec.step} with world_size {rec.world_min} and {w}; every rank "
+                "of a step must give the same world_size",
+            )
+        elif w and rec.staged > w:
+            self._fail(
+                rec,
+                f"step {rec.step}: {rec.staged} shards staged for world_size {w}: a rank put "
+                "it on two hosts; put each rank's shard on one host",
+            )
+        elif w and rec.staged == w:
+            if rec.rank_sum != w * (w - 1) // 2 or rec.rank_sq != (w - 1) * w * (2 * w - 1) // 6:
+                self._fail(
+                    rec,
+                    f"step {rec.step}: {w} shards staged, but not one of each rank 0..{w - 1} "
+                    "(a rank put it on two hosts); put each rank's shard on one host",
+                )
+            else:
+                self.layout(rec)
+                rec.state = StepState.READY
+
+    def _fail(self, rec: StepRec, message: str) -> None:
+        rec.state = StepState.FAILED
+        rec.error = to_wire(StorageError(message))
+
+    def _host(self, slot: int | None) -> str:
+        if slot is None:
+            return "?"
+        return self.hosts[slot] if slot < len(self.hosts) else f"slot {slot}"
+
+    def _protected(self, rec: StepRec) -> None:
+        # retention may drop it in this same round: a late waiter must still learn that it was
+        # protected
+        self.recently_protected[rec.step] = None
+        while len(self.recently_protected) > 4096:
+            self.recently_protected.pop(next(iter(self.recently_protected)))
+        for old in self.evictions():
+            del self.steps[old]
+        for old in [s for s, r in self.steps.items() if r.state == StepState.LOST]:
+            if old < rec.step:
+                del self.steps[old]  # a newer step is protected: no use any more
+
+    def fail(self, step: int, message: str) -> None:
+        """Fail an in-flight step that every daemon gives up alike (its lane is needed)."""
+        rec = self.steps.get(step)
+        if rec is not None and rec.lane is not None:
+            self._fail(rec, message)
+            self.lanes[rec.lane] = None
+            rec.lane = None
+
+    # -- rare events -------------------------------------------------------------------------------
+
+    def delete(self, step: int) -> None:
+        rec = self.steps.pop(step, None)
+        if rec is not None and rec.lane is not None:
+            self.lanes[rec.lane] = None
+
+    def lose(self, step: int, lost_hosts: list[str], ranks: list[int]) -> StepRec | None:
+        """Another group found ``step`` beyond repair (this group may hold its part still)."""
+        rec = self.steps.get(step)
+        if rec is None or rec.state != StepState.PROTECTED:
+            return None
+        rec.state = StepState.LOST
+        rec.lost = {"lost_hosts": lost_hosts, "ranks": ranks}
+        return rec
 
     def drop_failed(self, step: int) -> None:
         """A failed step leaves the catalog (its number may be put again); its error stays."""
@@ -132,38 +267,18 @@ class Catalog:
             del self.steps[step]
             self.failed[step] = rec.error or to_wire(StorageError(f"step {step} failed"))
 
-    def _staged(self, event: dict[str, Any]) -> None:
-        step, world = int(event["step"]), int(event["world_size"])
-        rec = self.steps.get(step)
-        if rec is None or rec.state == StepState.LOST:  # a lost step's number may be put afresh
-            rec = self.steps[step] = StepRec(step, world)
-            self.recently_protected.pop(step, None)
-        if rec.state != StepState.STAGING:
-            return
-        if world != rec.world_size:
-            rec.state = StepState.FAILED
-            rec.error = to_wire(
-                StorageError(
-                    f"rank {event['shard']['rank']} put step {step} with world_size {world}, "
-                    f"others with {rec.world_size}; every rank of a step must give the same "
-                    "world_size"
-                )
-            )
-            return
-        shard = ShardRec.from_json(event["shard"])
-        rec.shards[shard.rank] = shard
-        if len(rec.shards) == rec.world_size:
-            self.layout(rec)
-            rec.state = StepState.READY
+    # -- layout ------------------------------------------------------------------------------------
 
     def layout(self, rec: StepRec) -> None:
-        """Compute each host's blob and each group's stripes from the step's shards."""
-        per_slot: dict[int, list[tuple[int, int]]] = {s: [] for s in range(self.slots)}
+        """Each member's blob and the stripes of this host's group, from the group's shards."""
+        g = self.group
+        if g is None:
+            return
+        per_slot: dict[int, list[tuple[int, int]]] = {s: [] for s in g.slots}
         for shard in rec.shards.values():
             per_slot[shard.slot].append((shard.rank, shard.nbytes))
         rec.blobs = {s: HostBlob(tuple(sorted(v)), self.chunk_bytes) for s, v in per_slot.items()}
-        for g in self.groups:
-            rec.layouts[g.index] = StripeLayout(g, [len(rec.blobs[s].chunks) for s in g.slots])
+        rec.layouts = {g.index: StripeLayout(g, [len(rec.blobs[s].chunks) for s in g.slots])}
 
     def evictions(self) -> list[int]:
         """Protected steps beyond ``keep``, oldest first: never the newest protected one.

@@ -14,6 +14,7 @@ Each rank puts only its own shard; a step becomes protected (visible to ``get``,
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
@@ -46,15 +49,20 @@ def _env_int(*names: str) -> int | None:
 
 @dataclass(frozen=True)
 class StepStatus:
-    """Where a step stands: which ranks are staged, whether it is protected, where and how big."""
+    """Where a step stands: which ranks are staged, whether it is protected, where and how big.
+
+    A protected step lists every rank and host. For a step in flight, no daemon knows which
+    ranks the other groups of hosts staged (that would cost every daemon in proportion to the
+    job): ``ranks_staged`` lists those of the asking host's group, ``staged_count`` counts all."""
 
     step: int
-    state: str  # staging | ready | encoding | protected | failed
+    state: str  # staging | ready | encoding | protected | lost | persisted
     world_size: int
-    ranks_staged: list[int]
+    ranks_staged: list[int]  # in flight: those of this host's group (staged_count counts all)
     hosts: list[str]
     data_bytes: int
     parity_bytes: int
+    staged_count: int = 0
 
     @property
     def protected(self) -> bool:
@@ -228,6 +236,9 @@ class Store:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         skeleton, leaves, nbytes = _state.flatten(state_dict)
+        # the shard's tensor table travels inside its bytes, after its leaves
+        table = _state.pack_table(skeleton, [leaf.meta() for leaf in leaves])
+        table_at, total = _state.table_place(nbytes, len(table))
         handle = SaveHandle(step)
         alloc = self._request(
             {
@@ -235,10 +246,10 @@ class Store:
                 "step": step,
                 "rank": self.rank,
                 "world_size": self.world_size,
-                "nbytes": nbytes,
+                "nbytes": total,
             }
         )
-        meta = {"skeleton": skeleton, "leaves": [leaf.meta() for leaf in leaves]}
+        meta = {"table": table, "at": table_at, "nbytes": total}
         if any(leaf.device.startswith("cuda") for leaf in leaves):
             # device-to-host copies are enqueued here, on the side stream, without a host sync
             mf = self._map(alloc["path"], int(alloc["size"]))
@@ -290,11 +301,15 @@ class Store:
         alloc: dict[str, Any],
         meta: dict[str, Any],
     ) -> None:
+        """Copy the leaves and the table into the shard buffer, say so, wait for protection
+        (a background thread)."""
         try:
             mf = self._map(alloc["path"], int(alloc["size"]))
             _state.stage(
                 leaves, mf.array[:nbytes], self._copy_pool, skip_cuda=bool(handle.copy_done)
             )
+            table, at = meta["table"], meta["at"]
+            mf.array[at : at + len(table)] = np.frombuffer(table, dtype=np.uint8)
             for event in handle.copy_done:
                 event.synchronize()  # this background thread waits, never the training stream
             self._request(
@@ -304,8 +319,8 @@ class Store:
                     "rank": self.rank,
                     "world_size": self.world_size,
                     "buffer": alloc["buffer"],
-                    "nbytes": nbytes,
-                    "meta": meta,
+                    "nbytes": meta["nbytes"],
+                    "table": [meta["at"], len(meta["table"])],
                 }
             )
         except BaseException as exc:
@@ -358,7 +373,6 @@ class Store:
         rank = self.rank if rank is None else rank
         reply = self._request({"op": "get", "step": step, "rank": rank})
         path, nbytes = reply["path"], int(reply["nbytes"])
-        skeleton, leaves = reply["meta"]["skeleton"], reply["meta"]["leaves"]
         if device is not None and str(device).startswith("cuda"):
             return self._get_to_device(reply, device)
         try:
@@ -368,7 +382,8 @@ class Store:
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
         if not reply.get("temp"):
             weakref.finalize(mm, self._unleases.append, reply["buffer"])
-        return _state.unflatten_views(skeleton, leaves, mm)
+        table = _table(mm, reply)
+        return _state.unflatten_views(table["skeleton"], table["leaves"], mm)
 
     def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:
         """(step, structure) of what ``rank`` put at ``step``, touching none of its bytes.
@@ -389,7 +404,8 @@ class Store:
         path, size = reply["path"], int(reply["size"])
         mf = self._map(path, size) if not reply.get("temp") else shm.MappedFile(path, size)
         self._device_copier().registry.ensure(mf.array)
-        host = _state.unflatten_views(reply["meta"]["skeleton"], reply["meta"]["leaves"], mf.array)
+        table = _table(mf.array, reply)
+        host = _state.unflatten_views(table["skeleton"], table["leaves"], mf.array)
         out = _to_device(host, torch.device(device))
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(torch.cuda.current_stream(torch.device(device)))
@@ -430,6 +446,7 @@ class Store:
             hosts=r["hosts"],
             data_bytes=r["data_bytes"],
             parity_bytes=r["parity_bytes"],
+            staged_count=r["staged_count"],
         )
 
     def delete(self, step: int) -> None:
@@ -474,6 +491,14 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _table(buffer: Any, reply: dict[str, Any]) -> dict[str, Any]:
+    """The tensor table of the shard in ``buffer`` (where the get reply says it lies)."""
+    at, length = reply["table"]
+    raw = memoryview(buffer)[at : at + length]
+    table: dict[str, Any] = json.loads(bytes(raw))
+    return table
 
 
 def _to_device(obj: Any, device: Any) -> Any:

@@ -18,8 +18,9 @@ import numpy as np
 
 from codec import checksum
 from storage.catalog import StepRec
-from storage.errors import CapacityError, to_wire
+from storage.errors import CapacityError
 from storage.host import Host, Local
+from storage.protocol import Prepared, Stored
 
 __all__ = ["TAG_DATA", "TAG_PARITY", "Exchange"]
 
@@ -45,23 +46,25 @@ class Exchange:
         loc.t["ready"] = time.monotonic()
         layout, pos = h.my_layout(rec)
         nparity = len(layout.parity_stripes[pos])
-        error = None
+        ok = True
         try:
             buf = h.pool.take(nparity * h.chunk_bytes, "p")
             loc.parity = buf.name
         except CapacityError as exc:
-            error = to_wire(CapacityError(f"host {h.name} has no memory for its parity: {exc}"))
-        if error is None:
+            ok = False
+            h.log(f"step {rec.step}: no memory for this host's parity: {exc}")
+        if ok:
             views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
             loc.crc_job = self._crc_pool.submit(lambda: [checksum(v) for v in views])
         loc.t["prepared"] = time.monotonic()
-        h.emit({"e": "prepared", "step": rec.step, "error": error})
+        h.emit(Prepared(rec.step, ok))
 
     def run(self, rec: StepRec, loc: Local) -> None:
         """Send data chunks to their stripes' encoders, encode, forward parity, window by window.
 
-        Every daemon of the group runs this in the same round. Pairs of daemons post their messages
-        in stripe order, so MPI's non-overtaking rule matches them without per-stripe tags.
+        Every daemon of the group runs this in the same round, over the group's links (group rank
+        = position). Pairs of daemons post their messages in stripe order, so MPI's non-overtaking
+        rule matches them without per-stripe tags.
         """
         h = self.host
         loc.stored = True
@@ -70,7 +73,7 @@ class Exchange:
         g = h.group
         layout, pos = h.my_layout(rec)
         k, m, cb = g.k, g.m, h.chunk_bytes
-        rank_at = [h.rank_of[s] for s in g.slots]  # group position -> MPI rank
+        rank_at = list(range(len(g.slots)))  # group position -> rank on the group's links
         rs = h.codec(k, m)
         parity = h.pool.get(loc.parity).file.array if loc.parity else None
         window = h.config.window
@@ -79,7 +82,7 @@ class Exchange:
         outbox = h.scratch("send", window)
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
-        links = h.links
+        links = h.gl
         t_encode = 0.0
 
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
@@ -145,17 +148,17 @@ class Exchange:
         )
         h.stats["encode_bytes"] += encoded_stripes * k * cb
         h.stats["encode_seconds"] += t_encode
+        n = len(layout.parity_stripes[pos])
         if parity is not None:
-            n = len(layout.parity_stripes[pos])
             loc.parity_crc = [checksum(parity[i * cb : (i + 1) * cb]) for i in range(n)]
         if loc.crc_job is not None:
             loc.data_crc = loc.crc_job.result()
         loc.t["stored"] = time.monotonic()
         h.emit(
-            {
-                "e": "stored",
-                "step": rec.step,
-                "parity": loc.parity,
-                "crc": {"data": loc.data_crc, "parity": loc.parity_crc},
-            }
+            Stored(
+                rec.step,
+                loc.parity,
+                {"data": loc.data_crc, "parity": loc.parity_crc},
+                n * cb if parity is not None else 0,
+            )
         )

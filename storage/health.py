@@ -20,13 +20,16 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
     h = host
     persisted = tier.steps()  # I/O: before the lock
     with h.lock:
-        data = parity = 0
+        data = parity = tables = 0
         for r in h.catalog.steps.values():
             if r.state != StepState.PROTECTED:
                 continue
-            data += sum(s.nbytes for s in r.shards.values() if s.slot == h.slot)
+            mine = [s for s in r.shards.values() if s.slot == h.slot]
+            data += sum(s.nbytes for s in mine)
+            tables += sum(s.table[1] for s in mine)
             layout, pos = h.my_layout(r)
             parity += len(layout.parity_stripes[pos]) * h.chunk_bytes
+        sent, received, gathered = h.counters()
         return Snapshot(
             job=h.config.job,
             host=h.name,
@@ -40,8 +43,11 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             parity_bytes=parity,
             pool_bytes=h.pool.used,
             memory_budget=h.config.memory_budget,
-            sent_bytes=h.links.counters.sent,
-            received_bytes=h.links.counters.received,
+            sent_bytes=sent,
+            received_bytes=received,
+            gathered_bytes=gathered,
+            rounds=h.rounds,
+            metadata_bytes=sum(h.manifest_bytes.values()) + tables,
             stats=dict(h.stats),
             protected=h.catalog.protected(),
             in_flight=sorted(s for s, r in h.catalog.steps.items() if r.state.in_flight),

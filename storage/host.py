@@ -4,7 +4,8 @@
 its modules; none of them holds state the others need. It owns:
 
 - who this daemon is: host name, MPI rank, slot, the slot of every rank, the groups;
-- the host directory, its shared-memory :class:`~storage.pool.Pool` and its MPI links;
+- the host directory, its shared-memory :class:`~storage.pool.Pool`, its MPI links to the whole
+  job (``links``) and to its group alone (``glinks``: group rank = position in the group);
 - the catalog (written by the round engine alone, read by every thread under ``lock``), what this
   host holds of each step (:class:`Local`), the events waiting for the next round, counters;
 - ``lock`` (re-entrant) and ``cond`` on it: every field above that changes after start-up is read
@@ -37,6 +38,8 @@ from storage.faults import Hooks
 from storage.metrics import Latencies
 from storage.placement import Group, StripeLayout, default_km, make_groups
 from storage.pool import Buffer, Pool
+from storage.protocol import Event
+from transport.mpi import Links
 
 __all__ = ["Host", "Local", "log"]
 
@@ -117,7 +120,9 @@ class Host:
         self.links = hooks.make_links(comm, config.peer_timeout, self.name)
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, Local] = {}
-        self.events: list[dict[str, Any]] = []  # this host's events for the next round
+        self.events: list[Event] = []  # this host's events for the next round
+        self.glinks: Links | None = None  # the group's links, once the slot is known
+        self.manifest_bytes: dict[int, int] = {}  # step -> bytes of its manifest here
         self.announced: set[int] = set()  # steps with a shard staged here, until forgotten
         self.pending: dict[tuple[int, int], str] = {}  # (step, rank) -> buffer being staged
         self.pending_conn: dict[tuple[int, int], int] = {}  # ... and the connection staging it
@@ -145,6 +150,30 @@ class Host:
     def group(self) -> Group:
         return next(g for g in self.groups if self.slot in g.slots)
 
+    def join_group(self) -> None:
+        """Make the group's communicator (collective over the job, once the slots are known):
+        rank i in it is position i of the group."""
+        g = self.group
+        gcomm = self.comm.Split(g.index, g.position(self.slot))
+        self.glinks = self.hooks.make_links(gcomm, self.config.peer_timeout, self.name)
+        self.catalog.group = g
+        self.catalog.hosts = self.hosts
+
+    @property
+    def gl(self) -> Links:
+        """The group's links (after :meth:`join_group`)."""
+        assert self.glinks is not None
+        return self.glinks
+
+    def counters(self) -> tuple[int, int, int]:
+        """Payload bytes sent, received and gathered over both sets of links."""
+        links = [self.links] + ([self.glinks] if self.glinks is not None else [])
+        return (
+            sum(x.counters.sent for x in links),
+            sum(x.counters.received for x in links),
+            sum(x.counters.gathered for x in links),
+        )
+
     def set_layout(self, k: int, m: int) -> None:
         """Adopt the (k, m) the host's files were written with (before any step is known)."""
         self.k, self.m = k, m
@@ -166,7 +195,7 @@ class Host:
 
     # -- the next round --------------------------------------------------------------------------
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: Event) -> None:
         """Queue ``event`` for the next round and ask for that round now."""
         with self.lock:
             self.events.append(event)
@@ -275,10 +304,23 @@ class Host:
     def write_manifest(self, rec: StepRec, loc: Local) -> None:
         loc.manifest = True
         manifest = recovery.manifest_of(rec, self.catalog, self.config.job, self.hosts)
-        recovery.write_manifest(self.dir / "steps" / f"{rec.step}.json", manifest)
+        n = recovery.write_manifest(self.dir / "steps" / f"{rec.step}.json", manifest)
+        with self.lock:
+            self.manifest_bytes[rec.step] = n
 
     def remove_manifest(self, step: int) -> None:
         (self.dir / "steps" / f"{step}.json").unlink(missing_ok=True)
+        with self.lock:
+            self.manifest_bytes.pop(step, None)
+
+    def table(self, rec: StepRec, rank: int) -> dict[str, Any]:
+        """The tensor table of ``rank``'s shard here (its structure, dtypes, shapes, offsets),
+        read from the shard's own bytes."""
+        shard = rec.shards[rank]
+        off, length = shard.table
+        raw = self.pool.get(shard.buffer).file.array[off : off + length]
+        table: dict[str, Any] = json.loads(raw.tobytes())
+        return table
 
     # -- health and latencies ----------------------------------------------------------------------
 

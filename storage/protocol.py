@@ -1,16 +1,50 @@
-"""The daemon's vocabulary on the wire and between its modules: step states and typed messages.
+"""The daemon's vocabulary on the wire and between its modules: step states, typed messages, and
+the fixed-size record every daemon contributes to a round.
 
-Nothing here does I/O or holds state; every module of the daemon, the client and ``ecsnap
-status`` import from here, and this module imports nothing of :mod:`storage` but its errors.
+Nothing here does I/O or holds state; the daemon's modules, the client and ``ecsnap status``
+import from here, and this module imports nothing of :mod:`storage`.
+
+A round carries three kinds of traffic (see :mod:`storage.rounds`):
+
+- a :class:`Ballot` per daemon, reduced over the whole job (sums and maxima of a fixed-size
+  vector of int64, whatever the number of hosts, ranks or tensors): per in-flight step lane, the
+  ranks staged, the daemons prepared and stored; and a few job-wide fields;
+- the group's events (:data:`GROUP_EVENTS`), gathered within the group of k+m hosts only: the
+  shard records and checksums a group needs to encode and rebuild its members' blobs;
+- rare events (:data:`RARE_EVENTS`), gathered over the job only in a round where some daemon has
+  one (the ballot counts them): deletes, fetches for reads from another host, repairs, lost steps.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypedDict
 
-__all__ = ["Snapshot", "StepState"]
+import numpy as np
+
+__all__ = [
+    "GROUP_EVENTS",
+    "LANES",
+    "NONE",
+    "RARE_EVENTS",
+    "Ballot",
+    "Delete",
+    "Event",
+    "Fetch",
+    "Lost",
+    "Offer",
+    "PersistFailed",
+    "Prepared",
+    "Repair",
+    "Repaired",
+    "ShardRecord",
+    "Snapshot",
+    "Staged",
+    "StepState",
+    "Stored",
+    "event_from_json",
+]
 
 
 class StepState(str, enum.Enum):
@@ -18,7 +52,7 @@ class StepState(str, enum.Enum):
 
     STAGING --(all world_size shards staged)--> READY --(every daemon prepared)--> ENCODING
     ENCODING --(every daemon stored its parity)--> PROTECTED
-    READY --(a daemon could not prepare: no memory)--> FAILED
+    STAGING or READY --(a daemon could not prepare; ranks that disagree)--> FAILED
     PROTECTED --(more than m chunks of a stripe lost)--> LOST
     """
 
@@ -35,6 +69,293 @@ class StepState(str, enum.Enum):
     @property
     def in_flight(self) -> bool:
         return self in (StepState.STAGING, StepState.READY, StepState.ENCODING)
+
+
+# -- the ballot ------------------------------------------------------------------------------------
+
+LANES = 16  # steps in flight at once (staging, ready or encoding), job-wide
+NONE = np.iinfo(np.int64).min  # "no value" in a maximum
+
+
+class Ballot:
+    """One daemon's fixed-size record for one round, and (after the reduction) the job's.
+
+    ``sums`` is reduced with MPI_SUM, ``maxima`` with MPI_MAX (a minimum travels negated).
+    Per lane (an in-flight step, numbered the same on every daemon):
+
+    - sums: ranks newly staged here, the sum of their ranks and of their squares (so that a rank
+      counted twice, on two hosts, shows), their bytes; daemons that prepared, that failed to
+      prepare, that stored their parity; parity bytes stored;
+    - maxima: the world size given (and its negation: the smallest), the negated lowest slot
+      that failed to prepare.
+
+    Job-wide: rare events waiting (sum), work waiting (sum); stop asked (max), the lowest new
+    step wanting a lane (max of its negation), the lowest step every daemon has persisted
+    through (max of its negation).
+    """
+
+    # per-lane sums
+    STAGED, RANK_SUM, RANK_SQ, DATA_BYTES, PREPARED, PREP_FAILED, STORED, PARITY_BYTES = range(8)
+    LANE_SUMS = 8
+    # per-lane maxima
+    WORLD, WORLD_NEG, FAIL_SLOT_NEG = range(3)
+    LANE_MAXIMA = 3
+    # job-wide sums and maxima, after the lanes
+    RARE, BUSY = range(2)
+    STOP, NEW_STEP_NEG, PERSISTED_NEG = range(3)
+
+    def __init__(self) -> None:
+        self.sums = np.zeros(LANES * self.LANE_SUMS + 2, dtype=np.int64)
+        self.maxima = np.full(LANES * self.LANE_MAXIMA + 3, NONE, dtype=np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sums.nbytes + self.maxima.nbytes)
+
+    def add(self, lane: int, field_: int, value: int) -> None:
+        self.sums[lane * self.LANE_SUMS + field_] += value
+
+    def sum(self, lane: int, field_: int) -> int:
+        return int(self.sums[lane * self.LANE_SUMS + field_])
+
+    def raise_to(self, lane: int, field_: int, value: int) -> None:
+        i = lane * self.LANE_MAXIMA + field_
+        self.maxima[i] = max(int(self.maxima[i]), value)
+
+    def max(self, lane: int, field_: int) -> int | None:
+        v = int(self.maxima[lane * self.LANE_MAXIMA + field_])
+        return None if v == NONE else v
+
+    def add_job(self, field_: int, value: int) -> None:
+        self.sums[LANES * self.LANE_SUMS + field_] += value
+
+    def job_sum(self, field_: int) -> int:
+        return int(self.sums[LANES * self.LANE_SUMS + field_])
+
+    def raise_job(self, field_: int, value: int) -> None:
+        i = LANES * self.LANE_MAXIMA + field_
+        self.maxima[i] = max(int(self.maxima[i]), value)
+
+    def job_max(self, field_: int) -> int | None:
+        v = int(self.maxima[LANES * self.LANE_MAXIMA + field_])
+        return None if v == NONE else v
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's shard of one step as its group knows it: fixed size, whatever its tensors.
+
+    ``table`` is (offset, length) of the shard's tensor table (its structure, dtypes, shapes and
+    offsets, JSON) inside the shard's own bytes: it is erasure-coded and rebuilt with them, and
+    read from there; it never travels in a round."""
+
+    rank: int
+    slot: int
+    nbytes: int
+    buffer: str
+    table: tuple[int, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "slot": self.slot,
+            "nbytes": self.nbytes,
+            "buffer": self.buffer,
+            "table": list(self.table),
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> ShardRecord:
+        off, length = d["table"]
+        return ShardRecord(
+            int(d["rank"]), int(d["slot"]), int(d["nbytes"]), str(d["buffer"]), (off, length)
+        )
+
+
+class Event:
+    """A typed event a module hands the round engine (``Host.emit``); ``kind`` names it on the
+    wire. The engine sends each where it belongs: the ballot, the group, or the rare gather."""
+
+    kind: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"e": self.kind}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = v.to_json() if isinstance(v, ShardRecord) else v
+        return out
+
+
+@dataclass(frozen=True)
+class Staged(Event):
+    """A rank's shard is in this host's memory (ballot: counted; group: its record)."""
+
+    kind: ClassVar[str] = "staged"
+    step: int
+    world_size: int
+    shard: ShardRecord
+
+
+@dataclass(frozen=True)
+class Prepared(Event):
+    """This daemon took its parity memory for the step, or could not (ballot only)."""
+
+    kind: ClassVar[str] = "prepared"
+    step: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Stored(Event):
+    """This daemon's part of the exchange is done (ballot: counted; group: names, checksums)."""
+
+    kind: ClassVar[str] = "stored"
+    step: int
+    parity: str | None
+    crc: dict[str, list[int]]
+    parity_bytes: int
+
+
+@dataclass(frozen=True)
+class Delete(Event):
+    kind: ClassVar[str] = "delete"
+    step: int
+
+
+@dataclass(frozen=True)
+class Fetch(Event):
+    """A reader on slot ``to`` wants ``rank``'s shard of ``step`` (or only its table)."""
+
+    kind: ClassVar[str] = "fetch"
+    id: str
+    step: int
+    rank: int
+    to: int
+    table_only: bool
+
+
+@dataclass(frozen=True)
+class Offer(Event):
+    """The holder of a fetched shard answers: in the round that carries this, it sends
+    ``nbytes`` to the reader, with the checksums of the shard's chunks (offset, length, crc)."""
+
+    kind: ClassVar[str] = "offer"
+    id: str
+    to: int
+    holder: int
+    nbytes: int
+    table: tuple[int, int] | list[int]
+    chunks: list[list[int]]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Repair(Event):
+    """Rebuild data chunks ``data`` and parity chunks ``parity`` of slot ``slot``'s blob."""
+
+    kind: ClassVar[str] = "repair"
+    id: str
+    step: int
+    slot: int
+    data: list[int]
+    parity: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Repaired(Event):
+    """A group ran the repairs named, for readers outside it that wait on them."""
+
+    kind: ClassVar[str] = "repaired"
+    ids: list[str]
+
+
+@dataclass(frozen=True)
+class Lost(Event):
+    """A group found ``step`` beyond repair: more than m chunks of a stripe gone."""
+
+    kind: ClassVar[str] = "lost"
+    step: int
+    lost_hosts: list[str]
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class PersistFailed(Event):
+    kind: ClassVar[str] = "persist_failed"
+    step: int
+    error: str
+
+
+GROUP_EVENTS = frozenset({"staged", "stored"})
+RARE_EVENTS = frozenset(
+    {"delete", "fetch", "offer", "repair", "repaired", "lost", "persist_failed"}
+)
+_KINDS: dict[str, type[Event]] = {
+    c.kind: c
+    for c in (Staged, Prepared, Stored, Delete, Fetch, Offer, Repair, Repaired, Lost, PersistFailed)
+}
+
+
+def event_from_json(d: dict[str, Any]) -> Event:
+    """The typed event a round carried (its ``e`` names the class)."""
+    cls = _KINDS[d["e"]]
+    args = {k: v for k, v in d.items() if k != "e"}
+    if cls is Staged:
+        args["shard"] = ShardRecord.from_json(args["shard"])
+    return cls(**args)
+
+
+# -- socket requests -------------------------------------------------------------------------------
+
+
+class AllocRequest(TypedDict):
+    op: str
+    step: int
+    rank: int
+    world_size: int
+    nbytes: int
+
+
+class StagedRequest(TypedDict):
+    """The shard's bytes are in the buffer ``alloc`` gave, its table at ``table``."""
+
+    op: str
+    step: int
+    rank: int
+    world_size: int
+    buffer: str
+    nbytes: int
+    table: list[int]
+
+
+class GetRequest(TypedDict, total=False):
+    op: str
+    step: int | None
+    rank: int
+    meta_only: bool
+
+
+class GetReply(TypedDict, total=False):
+    """Where a shard's bytes are: a file to map (``size`` bytes), the shard's ``nbytes`` and its
+    table's (offset, length) in it; ``temp`` files are the reader's to release; ``buffer`` names
+    a leased one. With ``meta_only``: ``meta``, the table itself."""
+
+    ok: bool
+    step: int
+    nbytes: int
+    path: str
+    size: int
+    table: list[int]
+    temp: bool
+    buffer: str
+    meta: dict[str, Any]
+    tier: str
+
+
+# -- the daemon at a glance ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -57,6 +378,9 @@ class Snapshot:
     memory_budget: int | None
     sent_bytes: int
     received_bytes: int
+    gathered_bytes: int
+    rounds: int
+    metadata_bytes: int
     stats: dict[str, float]
     protected: list[int]
     in_flight: list[int]

@@ -1,16 +1,19 @@
 """Recovery: manifests on disk, adopting a host's files, and planning the repair of lost chunks.
 
 What outlives every process is ``<root>/<job>/<host>/``: shard buffers in ``data/``, parity in
-``parity/`` and one manifest per protected step in ``steps/<step>.json``. A manifest is the same
-on every host (it names every host's files and every chunk's checksum), so a host that lost its
-manifest, or holds one that fails its checksum, takes it from a peer.
+``parity/`` and one manifest per protected step in ``steps/<step>.json``. A manifest holds what
+the job agreed on for the step (world size, bytes, the layout, every slot's host) and what the
+host's group needs to rebuild any of its members: each shard record of the group (rank, host,
+size, file, where its tensor table lies in it), every member's checksums and parity file. It is
+the same on every host of a group (its size grows with the group, not with the job), so a host
+that lost its manifest, or holds one that fails its checksum, takes it from a group peer.
 
 A relaunched storage job (``mpiexec -n H ecsnap serve`` with the same arguments) first adopts:
 
 1. each daemon reads its manifests and claims the slot whose files it holds; daemons holding
    nothing (new or wiped hosts) take the slots nobody claims, in rank order;
-2. the daemons agree on every step's manifest, and each checks its own chunks against their
-   checksums: a missing, truncated or corrupted chunk is an erasure;
+2. the daemons of each group agree on every step's manifest, and each checks its own chunks
+   against their checksums: a missing, truncated or corrupted chunk is an erasure;
 3. per stripe, at most m erasures are repaired: each host that lost a chunk receives k surviving
    chunks of that stripe and decodes its own data and parity back (:func:`plan_repair`); a stripe
    with more than m erasures makes the step unrecoverable, and the step is reported as lost, with
@@ -47,19 +50,24 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: per group, tensor tables inside the shards
 
 
 def manifest_of(rec: StepRec, catalog: Catalog, job: str, hosts: list[str]) -> dict[str, Any]:
-    """The replicated manifest of a protected step (identical on every host)."""
+    """The manifest of a protected step as this host's group knows it (the same on each host
+    of the group)."""
+    assert catalog.group is not None
     return {
         "version": MANIFEST_VERSION,
         "job": job,
         "step": rec.step,
         "world_size": rec.world_size,
+        "data_bytes": rec.data_bytes,
+        "parity_bytes": rec.parity_bytes,
         "hosts": hosts,
         "chunk_bytes": catalog.chunk_bytes,
         "groups": [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in catalog.groups],
+        "group": catalog.group.index,
         "shards": [s.to_json() for s in sorted(rec.shards.values(), key=lambda s: s.rank)],
         "crc": {str(slot): rec.stored[slot] for slot in sorted(rec.stored)},
         "parity": {str(slot): name for slot, name in sorted(rec.parity.items())},
@@ -71,14 +79,16 @@ def _digest(manifest: dict[str, Any]) -> int:
     return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Write atomically (a manifest is complete or absent), mode 0600, with its checksum."""
-    data = dict(manifest, checksum=_digest(manifest))
+def write_manifest(path: Path, manifest: dict[str, Any]) -> int:
+    """Write atomically (a manifest is complete or absent), mode 0600, with its checksum;
+    returns its size in bytes."""
+    data = json.dumps(dict(manifest, checksum=_digest(manifest)), separators=(",", ":")).encode()
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
+    return len(data)
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -111,14 +121,19 @@ def scan(directory: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
 
 
 def rec_from_manifest(m: dict[str, Any], catalog: Catalog) -> StepRec:
-    rec = StepRec(int(m["step"]), int(m["world_size"]))
+    rec = StepRec(
+        int(m["step"]),
+        int(m["world_size"]),
+        state=StepState.PROTECTED,
+        data_bytes=int(m["data_bytes"]),
+        parity_bytes=int(m["parity_bytes"]),
+    )
     for s in m["shards"]:
         shard = ShardRec.from_json(s)
         rec.shards[shard.rank] = shard
     rec.stored = {int(slot): c for slot, c in m["crc"].items()}
     rec.parity = {int(slot): str(name) for slot, name in m["parity"].items()}
     catalog.layout(rec)
-    rec.state = StepState.PROTECTED
     return rec
 
 

@@ -4,7 +4,9 @@ Who calls it: adoption at start-up (:meth:`Repairer.verify` on every adopted ste
 :meth:`Repairer.repair`), the round engine (:meth:`Repairer.serve`: repairs a read asked for, and
 the older steps adoption left for later, one per round), and the socket service (a ``get`` that
 finds a bad chunk asks for its repair with :meth:`Repairer.request` and waits). A repair is
-collective: every daemon runs it for the same step with the same erasures, in the same round.
+collective over the group: every daemon of the group runs it for the same step with the same
+erasures, in the same round, over the group's links; the first host of the group then tells
+the job which requested repairs ran and which steps were lost (:class:`Repaired`, :class:`Lost`).
 What it owns: the queue of requested repairs, the queue of rebuilds left from start-up, and which
 requested repairs are done. Lock: the host's ``lock`` for those queues; the transfers run
 without it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +28,7 @@ from storage.catalog import StepRec, StepState
 from storage.errors import CapacityError
 from storage.host import Host
 from storage.placement import StripeLayout
+from storage.protocol import Lost, Repair
 from storage.recovery import Erasures, RepairPlan, holder, plan_repair
 
 __all__ = ["TAG_REPAIR", "Repairer"]
@@ -40,8 +44,9 @@ _REPAIR_ROWS = 64 << 20  # bytes of receive rows per set in a repair window
 class Repairer:
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.requests: list[dict[str, Any]] = []  # repair events of this round, every daemon's
+        self.requests: list[Repair] = []  # this round's repairs of the group's chunks
         self.done: set[str] = set()  # ids of requested repairs that ran, for waiting readers
+        self.lost: list[Lost] = []  # steps this round's repairs found beyond repair
         # (step, erasures by slot) still to rebuild after start-up, oldest last; same everywhere
         self.deferred: list[tuple[int, dict[int, Erasures]]] = []
 
@@ -97,16 +102,16 @@ class Repairer:
 
     def lost_slots(self, rec: StepRec, erased: dict[int, Erasures]) -> set[int]:
         """The slots with erasures in a group that lost more than m chunks of some stripe."""
-        lost: set[int] = set()
-        for g in self.host.groups:
-            by_pos = {g.position(s): e for s, e in erased.items() if s in g.slots and e}
-            if by_pos and not plan_repair(rec.layouts[g.index], by_pos).recoverable:
-                lost |= {s for s, e in erased.items() if s in g.slots and e}
-        return lost
+        g = self.host.group
+        by_pos = {g.position(s): e for s, e in erased.items() if s in g.slots and e}
+        if by_pos and not plan_repair(rec.layouts[g.index], by_pos).recoverable:
+            return {s for s, e in erased.items() if s in g.slots and e}
+        return set()
 
     def degraded(self, erasures: list[tuple[int, dict[int, Erasures]]]) -> int:
-        """Stripes that miss a chunk, over the steps and per-slot erasures given."""
+        """Stripes of this host's group that miss a chunk, over the steps and erasures given."""
         steps = self.host.catalog.steps
+        g = self.host.group
         return sum(
             len(
                 recovery.stripe_erasures(
@@ -116,15 +121,14 @@ class Repairer:
             )
             for step, by_slot in erasures
             if step in steps
-            for g in self.host.groups
         )
 
     # -- rebuilding -------------------------------------------------------------------------------
 
     def repair(self, rec: StepRec, erased: dict[int, Erasures]) -> None:
-        """Rebuild the erased chunks of ``rec`` from their stripes (collective: every daemon calls
-        this for the same step with the same ``erased``). More than m erasures in any stripe make
-        the step lost instead."""
+        """Rebuild the erased chunks of ``rec`` from their stripes (collective over the group:
+        every daemon of the group calls this for the same step with the same ``erased``). More
+        than m erasures in any stripe make the step lost instead (and :attr:`lost` says so)."""
         h = self.host
         t0 = time.monotonic()
         lost_slots = self.lost_slots(rec, erased)
@@ -132,6 +136,7 @@ class Repairer:
             hosts, ranks = recovery.lost_parts(rec, {s: erased[s] for s in lost_slots}, h.hosts)
             rec.state = StepState.LOST
             rec.lost = {"lost_hosts": hosts, "ranks": ranks}
+            self.lost.append(Lost(rec.step, hosts, ranks))
             h.stats["lost_steps"] += 1
             h.remove_manifest(rec.step)
             h.log(
@@ -154,7 +159,7 @@ class Repairer:
             if h.shard_buffer(rec, rank) is None:
                 nbytes = rec.shards[rank].nbytes
                 buf = h.pool.take(nbytes, f"r{rank}-")
-                rec.shards[rank].buffer = buf.name
+                rec.shards[rank] = replace(rec.shards[rank], buffer=buf.name)
                 changed.setdefault("buffers", {})[str(rank)] = buf.name
         if mine.parity:
             n = len(layout.parity_stripes[pos])
@@ -165,7 +170,7 @@ class Repairer:
                 changed["parity"] = buf.name
         # Senders wait here without spinning while the rebuilding host makes its files (~0.25 s
         # per 375 MB): busy senders sharing its cores made that 5-10x slower (measured).
-        h.links.barrier(f"repair of step {rec.step} (files ready)")
+        h.gl.barrier(f"repair of step {rec.step} (files ready)")
         h.phase("rebuilding")
         # Windows decoded by a second thread while the next one arrives (two sets of receive
         # rows). The senders nap between polls, so the decode has a core to itself (it did not
@@ -202,9 +207,7 @@ class Repairer:
                 tw = time.monotonic()
                 try:
                     # a decoding host spins (its polls copy the bytes in); a sender naps
-                    h.links.wait(
-                        reqs, f"repair of step {rec.step}", busy=bool(jobs), nap=SENDER_NAP
-                    )
+                    h.gl.wait(reqs, f"repair of step {rec.step}", busy=bool(jobs), nap=SENDER_NAP)
                 finally:
                     t_wait += time.monotonic() - tw
                     if decoding is not None:
@@ -223,10 +226,10 @@ class Repairer:
                 f"{(time.monotonic() - t_start) * 1e3:.1f}ms, setup {(t_start - t0) * 1e3:.1f}ms"
             )
         # everyone learns the new file names, and rewrites its manifest
-        for r, part in enumerate(h.links.allgather_json(changed, f"repair of {rec.step}")):
-            slot = h.slot_of_rank[r]
+        for pos_r, part in enumerate(h.gl.allgather_json(changed, f"repair of {rec.step}")):
+            slot = g.slots[pos_r]
             for rank, name in part.get("buffers", {}).items():
-                rec.shards[int(rank)].buffer = name
+                rec.shards[int(rank)] = replace(rec.shards[int(rank)], buffer=name)
             if part.get("parity"):
                 rec.parity[slot] = part["parity"]
         if mine:
@@ -292,14 +295,14 @@ class Repairer:
                         else:
                             length = h.chunk_length(rec, layout, s, a)
                             row[length:] = 0
-                            reqs += h.links.irecv(row[:length], h.rank_of[g.slots[hp]], TAG_REPAIR)
+                            reqs += h.gl.irecv(row[:length], hp, TAG_REPAIR)
                         avail[a] = row
                     elif hp == pos:
                         assert view is not None
                         if staged is None:
                             staged = outbox[b, : view.nbytes]
                             staged[:] = view
-                        reqs += h.links.isend(staged, h.rank_of[g.slots[d]], TAG_REPAIR)
+                        reqs += h.gl.isend(staged, d, TAG_REPAIR)
                 if d == pos:
                     target = next(e for e in erased_idx if holder(layout, s, e) == pos)
                     jobs.append((s, b, target, avail))
@@ -308,22 +311,24 @@ class Repairer:
     # -- repairs while serving ------------------------------------------------------------------
 
     def request(self, step: int, slot: int, data: list[int]) -> None:
-        """Ask every daemon to repair data chunks ``data`` of ``slot``'s blob of ``step``, and
+        """Ask the group of ``slot`` to repair data chunks ``data`` of its blob of ``step``, and
         wait until it ran (a socket-service thread; :class:`StorageTimeoutError` after the peer
         timeout)."""
         h = self.host
         rid = h.next_id("r")
-        h.emit({"e": "repair", "id": rid, "step": step, "slot": slot, "data": data, "parity": []})
+        h.emit(Repair(rid, step, slot, data))
         h.wait_for(lambda: rid in self.done, h.config.peer_timeout, f"the repair of step {step}")
         with h.lock:
             self.done.discard(rid)
 
-    def serve(self) -> None:
-        """Run this round's requested repairs, or else one rebuild left from start-up (the round
-        thread; every daemon runs the same ones, in order)."""
+    def serve(self) -> tuple[list[str], list[Lost]]:
+        """Run this round's requested repairs of the group's chunks, or else one rebuild left from
+        start-up (the round thread; every daemon of the group runs the same ones, in order).
+        Returns the ids of the requests that ran and the steps found lost."""
         h = self.host
         with h.lock:
             repairs, self.requests = self.requests, []
+        self.lost = []
         if self.deferred and not repairs:
             # one older step per round, so puts and reads go on between rebuilds
             step, erased = self.deferred.pop(0)
@@ -335,10 +340,10 @@ class Repairer:
                     h.log(f"rebuild of step {step} failed: {exc}")
             self.deferred_changed()
         for r in repairs:
-            rec = h.catalog.steps.get(int(r["step"]))
+            rec = h.catalog.steps.get(r.step)
             if rec is None or rec.state != StepState.PROTECTED:
                 continue
-            wanted = {int(r["slot"]): Erasures.from_json(r)}
+            wanted = {r.slot: Erasures(set(r.data), set(r.parity))}
             # A read found chunks of a step whose start-up rebuild is still queued: rebuild all
             # of it now (the read's chunks and whatever else the loss took), once.
             for i, (step, erased) in enumerate(self.deferred):
@@ -354,10 +359,12 @@ class Repairer:
                 self.repair(rec, wanted)
             except CapacityError as exc:
                 h.log(f"repair of step {rec.step} failed: {exc}")
-        if repairs:
+        ids = [r.id for r in repairs]
+        if ids:
             with h.cond:
-                self.done |= {str(r["id"]) for r in repairs if "id" in r}
+                self.done |= set(ids)
                 h.cond.notify_all()
+        return ids, self.lost
 
     def deferred_changed(self) -> None:
         h = self.host

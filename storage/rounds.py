@@ -3,18 +3,23 @@
 Who calls it: :meth:`storage.daemon.Daemon.run`, on the daemon's main thread, which is the only
 thread that drives MPI. Each round every daemon
 
-1. allgathers the events its host queued since the last round (staged shards, prepared, stored,
-   deletes, fetches, repairs, persisted ranks);
-2. applies them in slot order: catalog events to :class:`~storage.catalog.Catalog` (so every
-   daemon holds the same catalog and takes the same decisions without a leader), fetches and
-   repairs to their modules' queues, persisted ranks to the tier;
-3. does the round's local work, the same on every daemon: prepare ready steps and run the
-   exchange of encoding ones (:mod:`storage.exchange`), repairs (:mod:`storage.repair`),
-   fetches (:mod:`storage.fetch`), the manifests of newly protected steps, and the files of
-   steps that retention or a delete dropped.
+1. sorts the events its modules queued since the last round (:meth:`Host.emit`) into what the
+   round carries (see :mod:`storage.protocol`): counts in its :class:`Ballot` (fixed size),
+   shard records and checksums for its group, and rare events for the whole job;
+2. reduces the ballots over the job (sum and max of one int64 vector: the cost per daemon does
+   not grow with the job but as the reduction's log2 of the hosts), gathers the group's events
+   among the k+m hosts of the group, and, only in a round where some daemon has one, gathers the
+   rare events over the job;
+3. applies them, the same on every daemon: the group's events and the ballot to the
+   :class:`~storage.catalog.Catalog` (so every daemon takes the same decisions without a leader),
+   rare events to the modules they are for, a lane to the lowest new step;
+4. does the round's local work: prepare ready steps and run the exchange of encoding ones
+   (:mod:`storage.exchange`), repairs (:mod:`storage.repair`), fetches (:mod:`storage.fetch`),
+   the manifests of newly protected steps, and the files of steps that retention or a delete
+   dropped.
 
-What it owns: the loop's pacing. Lock: the host's ``lock`` while it changes the catalog and the
-host's records, never across MPI calls.
+What it owns: the staged shards of steps that wait for a lane, and the loop's pacing. Lock: the
+host's ``lock`` while it changes the catalog and the host's records, never across MPI calls.
 """
 
 from __future__ import annotations
@@ -27,6 +32,20 @@ from storage.exchange import Exchange
 from storage.fetch import Fetcher
 from storage.host import Host, Local
 from storage.leases import Leases
+from storage.protocol import (
+    Ballot,
+    Event,
+    Fetch,
+    Lost,
+    Offer,
+    PersistFailed,
+    Prepared,
+    Repair,
+    Repaired,
+    ShardRecord,
+    Staged,
+    Stored,
+)
 from storage.repair import Repairer
 from storage.tier import Tier
 
@@ -49,32 +68,30 @@ class Rounds:
         self.fetcher = fetcher
         self.tier = tier
         self.leases = leases
+        self.waiting: dict[int, list[Staged]] = {}  # staged here, their step not in a lane yet
 
     def run(self) -> int:
         """Rounds until a daemon is asked to stop (then every daemon returns 0 together)."""
         h = self.host
         idle = 0.0005
         while True:
-            with h.lock:
-                events, h.events = h.events, []
-            everyone = h.links.allgather_json(
-                {"ev": events, "stop": h.stopping},
-                "round",
-                timeout=h.config.peer_timeout,
-                busy=bool(events) or self.has_work(),
-            )
-            busy = any(p["ev"] for p in everyone)
-            with h.cond:
-                h.rounds += 1
-                for r, payload in enumerate(everyone):
-                    slot = h.slot_of_rank[r]
-                    for event in payload["ev"]:
-                        self._apply(slot, event)
-                h.cond.notify_all()
+            ballot, group_out, rare_out, busy = self._collect()
+            timeout = h.config.peer_timeout
+            sum_reqs, sums = h.links.start_allreduce(ballot.sums, "sum")
+            max_reqs, maxima = h.links.start_allreduce(ballot.maxima, "max")
+            gathering = h.gl.start_allgather_json(group_out)
+            h.links.wait(sum_reqs + max_reqs + gathering.requests, "round", timeout, busy)
+            group_in = h.gl.finish_allgather_json(gathering, "round (group)", timeout, busy)
+            job = Ballot()
+            job.sums, job.maxima = sums, maxima
+            rare_in: list[Any] = []
+            if job.job_sum(Ballot.RARE):
+                rare_in = h.links.allgather_json(rare_out, "round (rare events)", timeout, busy)
+            self._apply(job, group_in, rare_in)
             self.advance()
-            if any(p["stop"] for p in everyone):
+            if job.job_max(Ballot.STOP):
                 return 0
-            if busy or self.has_work():
+            if job.job_sum(Ballot.BUSY) or self.has_work():
                 idle = 0.0005
             else:
                 # Peers join a round within ``idle``; a trainer's request starts one at once here.
@@ -82,41 +99,164 @@ class Rounds:
                 h.wake.clear()
                 idle = min(idle * 2, 0.02)
 
-    def _apply(self, slot: int, event: dict[str, Any]) -> None:
-        """One event of ``slot``'s daemon (the round thread, holding the lock)."""
+    # -- what this daemon brings to the round ------------------------------------------------------
+
+    def _collect(self) -> tuple[Ballot, list[Any], list[Any], bool]:
         h = self.host
-        kind = event.get("e")
-        if kind == "fetch":
-            self.fetcher.requests.append(event)
-            return
-        if kind == "repair":
-            self.repairer.requests.append(event)
-            return
-        if kind in ("persisted", "persist_failed"):
-            self.tier.on_event(event)
-            return
-        old = None
+        cat = h.catalog
+        ballot = Ballot()
+        group_out: list[Any] = []
+        rare_out: list[Any] = []
+        with h.lock:
+            events, h.events = h.events, []
+            for ev in events:
+                if isinstance(ev, Staged):
+                    self.waiting.setdefault(ev.step, []).append(ev)
+                elif isinstance(ev, Prepared):
+                    lane = cat.lane_of(ev.step)
+                    if lane is not None:
+                        ballot.add(lane, Ballot.PREPARED if ev.ok else Ballot.PREP_FAILED, 1)
+                        if not ev.ok:
+                            ballot.raise_to(lane, Ballot.FAIL_SLOT_NEG, -h.slot)
+                elif isinstance(ev, Stored):
+                    lane = cat.lane_of(ev.step)
+                    if lane is not None:
+                        ballot.add(lane, Ballot.STORED, 1)
+                        ballot.add(lane, Ballot.PARITY_BYTES, ev.parity_bytes)
+                        group_out.append(ev.to_json())
+                else:
+                    rare_out.append(ev.to_json())
+            for step in list(self.waiting):
+                rec = cat.steps.get(step)
+                if rec is not None and rec.lane is not None and rec.state == StepState.STAGING:
+                    counted: set[int] = set()
+                    for ev in self.waiting.pop(step):
+                        old = rec.shards.get(ev.shard.rank)
+                        again = ev.shard.rank in counted or (old is not None and old.slot == h.slot)
+                        if not again:  # a rank putting an unfinished step again is counted once
+                            self._count(ballot, rec.lane, ev)
+                            counted.add(ev.shard.rank)
+                        group_out.append(ev.to_json())
+                elif rec is not None and rec.state in (
+                    StepState.READY,
+                    StepState.ENCODING,
+                    StepState.PROTECTED,
+                ):
+                    # every rank had staged it already: this late shard is not part of it
+                    for ev in self.waiting.pop(step):
+                        h.pool.release(ev.shard.buffer)
+                elif rec is None or rec.state == StepState.LOST:
+                    ballot.raise_job(Ballot.NEW_STEP_NEG, -step)  # a lane, please
+            ballot.add_job(Ballot.RARE, len(rare_out))
+            busy = bool(events) or bool(self.waiting)
+            ballot.add_job(Ballot.BUSY, int(busy))
+            ballot.raise_job(Ballot.STOP, int(h.stopping))
+            upto = self.tier.written_through()
+            if upto is not None:
+                ballot.raise_job(Ballot.PERSISTED_NEG, -upto)
+        return ballot, group_out, rare_out, busy or self.has_work()
+
+    @staticmethod
+    def _count(ballot: Ballot, lane: int, ev: Staged) -> None:
+        r = ev.shard.rank
+        ballot.add(lane, Ballot.STAGED, 1)
+        ballot.add(lane, Ballot.RANK_SUM, r)
+        ballot.add(lane, Ballot.RANK_SQ, r * r)
+        ballot.add(lane, Ballot.DATA_BYTES, ev.shard.nbytes)
+        ballot.raise_to(lane, Ballot.WORLD, ev.world_size)
+        ballot.raise_to(lane, Ballot.WORLD_NEG, -ev.world_size)
+
+    # -- what the round brought --------------------------------------------------------------------
+
+    def _apply(self, job: Ballot, group_in: list[Any], rare_in: list[Any]) -> None:
+        h = self.host
+        g = h.group
+        with h.cond:
+            h.rounds += 1
+            for pos, payload in enumerate(group_in):
+                for raw in payload or []:
+                    self._group_event(g.slots[pos], raw)
+            for rec in h.catalog.count(job):
+                h.local.setdefault(rec.step, Local())
+            for payload in rare_in:
+                for raw in payload or []:
+                    self._rare_event(raw)
+            new = job.job_max(Ballot.NEW_STEP_NEG)
+            if new is not None:
+                self._lane_for(-new)
+            persisted = job.job_max(Ballot.PERSISTED_NEG)
+            if persisted is not None:
+                self.tier.written_everywhere(-persisted)
+            h.cond.notify_all()
+
+    def _group_event(self, slot: int, raw: dict[str, Any]) -> None:
+        h = self.host
+        kind = raw.get("e")
         if kind == "staged":
-            rec = h.catalog.steps.get(int(event["step"]))
-            if rec is not None and rec.state == StepState.STAGING:
-                old = rec.shards.get(int(event["shard"]["rank"]))
-            elif rec is not None and rec.state == StepState.LOST:
-                self.forget(rec.step)  # put afresh: the lost one's files go
-        h.catalog.apply(slot, event)
-        if old is not None and old.slot == h.slot:
-            self._drop_shard(int(event["step"]), old.rank, old.buffer)
-        if kind == "staged" and slot == h.slot:
-            step, shard = int(event["step"]), event["shard"]
-            loc = h.local.setdefault(step, Local())
-            loc.buffers[int(shard["rank"])] = str(shard["buffer"])
-            loc.t.setdefault("staged", time.monotonic())
+            step, shard = int(raw["step"]), ShardRecord.from_json(raw["shard"])
+            old = h.catalog.staged(step, shard)
+            if old is not None and old.slot == h.slot and old.buffer != shard.buffer:
+                self._drop_shard(step, old.rank, old.buffer)
+            if slot == h.slot and h.catalog.steps.get(step) is not None:
+                loc = h.local.setdefault(step, Local())
+                loc.buffers[shard.rank] = shard.buffer
+                loc.t.setdefault("staged", time.monotonic())
+        elif kind == "stored":
+            h.catalog.stored(slot, int(raw["step"]), raw.get("parity"), raw.get("crc", {}))
+
+    def _rare_event(self, raw: dict[str, Any]) -> None:
+        h = self.host
+        kind = raw.get("e")
+        if kind == "delete":
+            h.catalog.delete(int(raw["step"]))
+        elif kind == "fetch":
+            self.fetcher.requests.append(Fetch(**{k: v for k, v in raw.items() if k != "e"}))
+        elif kind == "offer":
+            self.fetcher.offers.append(Offer(**{k: v for k, v in raw.items() if k != "e"}))
+        elif kind == "repair":
+            if int(raw["slot"]) in h.group.slots:
+                self.repairer.requests.append(Repair(**{k: v for k, v in raw.items() if k != "e"}))
+        elif kind == "repaired":
+            self.repairer.done |= set(raw["ids"])
+        elif kind == "lost":
+            rec = h.catalog.lose(int(raw["step"]), raw["lost_hosts"], raw["ranks"])
+            if rec is not None:
+                h.stats["lost_steps"] += 1
+                h.remove_manifest(rec.step)
+        elif kind == "persist_failed":
+            self.tier.failed(PersistFailed(int(raw["step"]), str(raw["error"])))
+
+    def _lane_for(self, step: int) -> None:
+        """The lowest new step gets a lane; with every lane taken, the oldest step still being
+        staged is abandoned for it (the same choice on every daemon)."""
+        h = self.host
+        cat = h.catalog
+        rec = cat.steps.get(step)
+        if rec is not None and rec.state != StepState.LOST:
+            return
+        if rec is not None:
+            self.forget(step)  # put afresh: the lost one's files go
+        if cat.assign(step) is None:
+            oldest = cat.oldest_staging()
+            if oldest is None:
+                return  # every lane is past staging: wait for one
+            cat.fail(
+                oldest,
+                f"step {oldest} was abandoned: it was still being staged when {len(cat.lanes)} "
+                f"steps were in flight and step {step} needed a lane (a rank never put it?)",
+            )
+            cat.assign(step)
+
+    # -- the round's local work --------------------------------------------------------------------
 
     def has_work(self) -> bool:
         h = self.host
         with h.lock:
             return (
                 bool(h.events)
+                or bool(self.waiting)
                 or bool(self.repairer.deferred)
+                or self.fetcher.busy()
                 or any(
                     r.state in (StepState.READY, StepState.ENCODING)
                     for r in h.catalog.steps.values()
@@ -124,7 +264,7 @@ class Rounds:
             )
 
     def advance(self) -> None:
-        """The round's local work, the same on every daemon (the round thread)."""
+        """The round's local work, the same on every daemon of a group (the round thread)."""
         h = self.host
         for rec in sorted(h.catalog.steps.values(), key=lambda r: r.step):
             loc = h.local.setdefault(rec.step, Local())
@@ -132,11 +272,11 @@ class Rounds:
                 self.exchange.prepare(rec, loc)
             elif rec.state == StepState.ENCODING and not loc.stored:
                 self.exchange.run(rec, loc)
-        self.repairer.serve()
+        self._announce(self.repairer.serve())
         self.fetcher.serve()
         with h.cond:
             for rec in list(h.catalog.steps.values()):
-                loc = h.local[rec.step]
+                loc = h.local.setdefault(rec.step, Local())
                 if rec.state == StepState.PROTECTED and not loc.manifest:
                     h.phase("committing")
                     h.write_manifest(rec, loc)
@@ -158,6 +298,19 @@ class Rounds:
                 self.forget(step)  # deleted, or evicted by retention
             h.cond.notify_all()
         self.tier.settle()
+
+    def _announce(self, outcome: tuple[list[str], list[Lost]]) -> None:
+        """What this round's repairs mean for the rest of the job: the first host of the group
+        tells readers elsewhere that their repairs ran, and every host which steps were lost."""
+        h = self.host
+        ids, lost = outcome
+        if h.group.position(h.slot) != 0:
+            return
+        events: list[Event] = [*lost]
+        if ids:
+            events.append(Repaired(ids))
+        for ev in events:
+            h.emit(ev)
 
     def _drop_shard(self, step: int, rank: int, buffer: str) -> None:
         """A rank put this unfinished step again: its earlier shard's buffer goes back."""

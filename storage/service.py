@@ -31,7 +31,7 @@ from storage.errors import (
 from storage.fetch import Fetcher
 from storage.host import Host
 from storage.leases import Leases
-from storage.protocol import Snapshot
+from storage.protocol import Delete, ShardRecord, Snapshot, Staged
 from storage.repair import Repairer
 from storage.tier import Tier
 from transport.control import Connection
@@ -145,7 +145,7 @@ class Service:
                 )
             if (step, rank) in h.pending:
                 raise StepExistsError(f"rank {rank} is already putting step {step}")
-            if rec is not None and rec.world_size != world:
+            if rec is not None and rec.world_size and rec.world_size != world:
                 raise StorageError(
                     f"step {step} is being put with world_size {rec.world_size}, not {world}"
                 )
@@ -168,18 +168,22 @@ class Service:
         h = self.host
         step, rank = _int(msg, "step"), _int(msg, "rank")
         world, nbytes = _int(msg, "world_size", 1), _int(msg, "nbytes")
-        meta = _field(msg, "meta", dict)
+        table = _field(msg, "table", list)
+        if len(table) != 2 or any(type(x) is not int or x < 0 for x in table):
+            raise StorageError(f"bad request 'staged': table must be [offset, length], got {table}")
+        if table[0] + table[1] > nbytes:
+            raise StorageError(f"bad request 'staged': table {table} lies past the shard's end")
         with h.lock:
             name = h.pending.pop((step, rank), None)
             h.pending_conn.pop((step, rank), None)
             if not name or name != msg.get("buffer"):
                 raise StorageError(f"step {step} rank {rank} was not allocated on this host")
-            shard = {"rank": rank, "slot": h.slot, "nbytes": nbytes, "buffer": name, "meta": meta}
             h.announced.add(step)
             t_alloc = h.t_alloc.get((step, rank))
             if t_alloc is not None:
                 h.latency.stage.observe(time.monotonic() - t_alloc)
-            h.events.append({"e": "staged", "step": step, "world_size": world, "shard": shard})
+            shard = ShardRecord(rank, h.slot, nbytes, name, (table[0], table[1]))
+            h.events.append(Staged(step, world, shard))
         h.wake.set()
         return {}
 
@@ -289,20 +293,21 @@ class Service:
                 if want in disk:  # memory cannot serve it: the persistent tier can
                     return self.tier.read(int(want), rank, meta_only)
                 raise
-            shard = rec.shards.get(rank)
-            if shard is None:
+            if rank >= rec.world_size:
                 raise StepNotFoundError(
                     f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
                 )
-            out = {"step": rec.step, "meta": shard.meta, "nbytes": shard.nbytes}
-            if meta_only:
-                return out  # the structure only: every daemon's catalog holds it
-            if shard.slot == h.slot:
+            shard = rec.shards.get(rank)
+            if shard is not None and shard.slot == h.slot:
                 bad = self.repairer.lost_chunks(rec, rank)
                 if not bad:
+                    if meta_only:
+                        return {"step": rec.step, "meta": h.table(rec, rank)}
                     self.leases.take(shard.buffer, int(msg["_conn"]))
                     return {
-                        **out,
+                        "step": rec.step,
+                        "nbytes": shard.nbytes,
+                        "table": list(shard.table),
                         "path": str(h.pool.path(shard.buffer)),
                         "size": h.pool.get(shard.buffer).size,
                         "buffer": shard.buffer,
@@ -315,11 +320,21 @@ class Service:
                 )
                 self.repairer.request(rec.step, h.slot, bad)
                 continue
-            result = self.fetcher.fetch(rec, rank)
+            # held by another host (of this group or another): it is fetched
+            result = self.fetcher.fetch(rec.step, rank, table_only=meta_only)
             if "bad" in result:
                 self.repairer.request(rec.step, int(result["slot"]), result["bad"])
                 continue
-            return {**out, "path": result["path"], "size": result["size"], "temp": True}
+            if meta_only:
+                return {"step": rec.step, "meta": result["meta"]}
+            return {
+                "step": rec.step,
+                "nbytes": result["size"],
+                "table": result["table"],
+                "path": result["path"],
+                "size": result["size"],
+                "temp": True,
+            }
         raise StorageError(
             f"step {want} rank {rank}: chunks still fail their checksums after repair"
         )
@@ -352,19 +367,19 @@ class Service:
         with h.lock:
             rec = h.catalog.steps.get(step)
             if rec is not None:
-                parity = 0
-                for g in h.groups:
-                    lay = rec.layouts.get(g.index)
-                    if lay is not None:
-                        parity += lay.stripes * g.m * h.config.chunk_bytes
+                done = rec.state in (StepState.PROTECTED, StepState.LOST)
                 return {
                     "step": step,
                     "world_size": rec.world_size,
                     "state": str(rec.state),
-                    "ranks_staged": sorted(rec.shards),
-                    "hosts": sorted({h.hosts[s.slot] for s in rec.shards.values()}),
-                    "data_bytes": rec.nbytes(),
-                    "parity_bytes": parity,
+                    # in flight, this host's group knows its own ranks; the count is everyone's
+                    "ranks_staged": list(range(rec.world_size)) if done else sorted(rec.shards),
+                    "staged_count": rec.world_size if done else rec.staged,
+                    "hosts": sorted(h.hosts)
+                    if done
+                    else sorted({h.hosts[s.slot] for s in rec.shards.values()}),
+                    "data_bytes": rec.data_bytes,
+                    "parity_bytes": rec.parity_bytes,
                 }
         if step not in disk:
             raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
@@ -374,6 +389,7 @@ class Service:
             "world_size": m["world_size"],
             "state": "persisted",
             "ranks_staged": sorted(int(r) for r in m["ranks"]),
+            "staged_count": len(m["ranks"]),
             "hosts": sorted({e["host"] for e in m["ranks"].values()}),
             "data_bytes": sum(int(e["nbytes"]) for e in m["ranks"].values()),
             "parity_bytes": 0,
@@ -385,7 +401,7 @@ class Service:
         with h.lock:
             if step not in h.catalog.steps:
                 raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
-        h.emit({"e": "delete", "step": step})
+        h.emit(Delete(step))
         h.wait_for(
             lambda: step not in h.catalog.steps, h.config.peer_timeout, f"deleting step {step}"
         )

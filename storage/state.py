@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,16 @@ import torch
 
 from storage.errors import UnsupportedTypeError
 
-__all__ = ["Leaf", "build", "copy_pieces", "flatten", "stage", "unflatten_views"]
+__all__ = [
+    "Leaf",
+    "build",
+    "copy_pieces",
+    "flatten",
+    "pack_table",
+    "stage",
+    "table_place",
+    "unflatten_views",
+]
 
 ALIGN = 64
 _PARALLEL_MIN = 32 << 20  # below this one thread copies faster than two
@@ -201,6 +211,19 @@ def flatten(state: Any) -> tuple[Any, list[Leaf], int]:
     f = _Flattener()
     skeleton = f.node(state, "")
     return skeleton, f.leaves, f.offset
+
+
+def pack_table(skeleton: Any, leaves: list[dict[str, Any]]) -> bytes:
+    """A shard's tensor table: its skeleton and every leaf's dtype, shape and offset, as JSON.
+    It is stored in the shard's own bytes, after the leaves (see :func:`table_place`)."""
+    return json.dumps({"skeleton": skeleton, "leaves": leaves}, separators=(",", ":")).encode()
+
+
+def table_place(data_nbytes: int, table_nbytes: int) -> tuple[int, int]:
+    """(offset of the table, bytes of the whole shard) for a shard whose leaves take
+    ``data_nbytes``: the table starts at the next 64-byte boundary."""
+    off = -(-data_nbytes // ALIGN) * ALIGN
+    return off, off + table_nbytes
 
 
 def _source_bytes(leaf: Leaf) -> np.ndarray[Any, Any]:

@@ -2,32 +2,51 @@
 background, published once every rank's file is there, put back into memory at start-up, and
 read straight from disk when memory cannot serve a step.
 
+Every daemon queues every step to persist (each one writes the ranks it holds, maybe none), in
+step order, on one writer thread; its ballot says how far it has written (the job's minimum
+travels, fixed size); once every daemon has written a step, the first daemon publishes it,
+reading each rank's entry from the step's partial directory (the directory is shared by the
+hosts, as a parallel file system is). A write that fails is a rare event: the step is skipped.
+
 Who calls it: the round engine (:meth:`Tier.persist` for every newly protected step,
-:meth:`Tier.on_event` for ``persisted`` / ``persist_failed`` events, :meth:`Tier.settle` each
-round), adoption at start-up (:meth:`Tier.restore_newest`, collective), the socket service
-(:meth:`Tier.read`, :meth:`Tier.steps`, :meth:`Tier.await_restore`). What it owns: the writer
-thread, the ranks written so far per step, and the step being put back. Lock: the host's
+:meth:`Tier.written_through` for its ballot, :meth:`Tier.written_everywhere` and
+:meth:`Tier.failed` with what the round brought, :meth:`Tier.settle` each round), adoption at
+start-up (:meth:`Tier.restore_newest`, collective), the socket service (:meth:`Tier.read`,
+:meth:`Tier.steps`, :meth:`Tier.await_restore`). What it owns: the writer thread, how far it
+wrote, the steps waiting to be published, and the step being put back. Lock: the host's
 ``lock`` for those; disk I/O runs on the writer thread or the caller's, never under it. The disk
 format is :mod:`storage.persist`'s.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from storage import persist
 from storage.catalog import StepRec, StepState
 from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
+from storage.protocol import PersistFailed, ShardRecord, Staged
+from storage.state import pack_table, table_place
 from transport import shm
 
 __all__ = ["Tier"]
+
+
+def _write_json(path: Path, body: Any) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(body, f, separators=(",", ":"))
 
 
 def _lower_priority() -> None:
@@ -48,7 +67,9 @@ class Tier:
             if self.root is not None
             else None
         )
-        self.acc: dict[int, dict[str, Any]] = {}  # step -> ranks persisted so far
+        self.through = -1  # every step queued up to this one is written here
+        self.unpublished: dict[int, int] = {}  # step -> world size, written here, not yet public
+        self.broken: set[int] = set()  # steps some daemon failed to write
         self.restoring: int | None = None  # a step being put back from disk at start-up
 
     def close(self) -> None:
@@ -64,43 +85,46 @@ class Tier:
             return
         if rec.step % h.config.persist_every:
             return
-        if persist.step_dir(self.root, h.config.job, rec.step).exists():
-            return  # put back from disk: it is there already
-        mine = [(r, s.buffer, s.meta, s.nbytes) for r, s in rec.shards.items() if s.slot == h.slot]
-        for _, name, _, _ in mine:
-            self.leases.take(name, PERSIST)  # kept past retention until written
-        self._writer.submit(self._write, rec.step, rec.world_size, mine)
+        on_disk = persist.step_dir(self.root, h.config.job, rec.step).exists()  # put back
+        mine = [] if on_disk else [(r, s) for r, s in rec.shards.items() if s.slot == h.slot]
+        for _, shard in mine:
+            self.leases.take(shard.buffer, PERSIST)  # kept past retention until written
+        if not on_disk:
+            self.unpublished[rec.step] = rec.world_size
+        self._writer.submit(self._write, rec.step, mine)
 
-    def _write(
-        self, step: int, world: int, mine: list[tuple[int, str, dict[str, Any], int]]
-    ) -> None:
-        """Write this host's shards of ``step`` to the partial directory (writer thread)."""
+    def _write(self, step: int, mine: list[tuple[int, ShardRecord]]) -> None:
+        """Write this host's shards of ``step`` to the partial directory (writer thread): each
+        rank's safetensors file and its manifest entry beside it."""
         h = self.host
         assert self.root is not None
         _lower_priority()
         t0 = time.monotonic()
-        event: dict[str, Any] = {"e": "persisted", "step": step, "world_size": world}
         try:
-            partial = persist.partial_dir(self.root, h.config.job, step)
-            partial.mkdir(mode=0o700, parents=True, exist_ok=True)
-            entries = {}
+            if mine:
+                partial = persist.partial_dir(self.root, h.config.job, step)
+                partial.mkdir(mode=0o700, parents=True, exist_ok=True)
             written = 0
-            for rank, name, meta, nbytes in mine:
-                data = h.pool.get(name).file.array[:nbytes]
+            for rank, shard in mine:
+                array = h.pool.get(shard.buffer).file.array
+                off, length = shard.table
+                meta = json.loads(array[off : off + length].tobytes())
                 entry = persist.write_rank(
-                    partial / f"rank-{rank}.safetensors", meta, data, self._yield_to_puts
+                    partial / f"rank-{rank}.safetensors", meta, array[:off], self._yield_to_puts
                 )
-                entry.update(meta=meta, nbytes=nbytes, host=h.name)
-                entries[str(rank)] = entry
+                entry.update(meta=meta, nbytes=off, host=h.name)
+                _write_json(partial / f"rank-{rank}.json", entry)
                 written += int(entry["bytes"])
-            event["ranks"] = entries
             h.stats["persist_bytes"] += written
             h.stats["persist_seconds"] += time.monotonic() - t0
-        except (OSError, StorageError, KeyError) as exc:
-            event = {"e": "persist_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"}
-        for _, name, _, _ in mine:
-            self.leases.end(name, PERSIST)
-        h.emit(event)
+        except (OSError, StorageError, KeyError, ValueError) as exc:
+            h.emit(PersistFailed(step, f"{type(exc).__name__}: {exc}"))
+        finally:
+            for _, shard in mine:
+                self.leases.end(shard.buffer, PERSIST)
+            with h.lock:
+                self.through = step
+            h.wake.set()
 
     def _yield_to_puts(self) -> None:
         """Hold the disk writer while a trainer on this host is staging a put (at most 2 s at a
@@ -112,35 +136,47 @@ class Tier:
                     return
             time.sleep(0.002)
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        """Gather persisted ranks; once all are on disk the leader publishes (the round thread)."""
-        h = self.host
-        step = int(event["step"])
-        if event["e"] == "persist_failed":
-            self.acc.pop(step, None)
-            h.log(f"step {step} was not persisted: {event.get('error')}")
-            if h.rank == 0 and self._writer is not None and self.root is not None:
-                partial = persist.partial_dir(self.root, h.config.job, step)
-                self._writer.submit(shutil.rmtree, partial, True)
-            return
-        acc = self.acc.setdefault(step, {"world": int(event["world_size"]), "ranks": {}})
-        acc["ranks"].update({int(r): e for r, e in event.get("ranks", {}).items()})
-        if len(acc["ranks"]) < acc["world"]:
-            return
-        del self.acc[step]
-        h.stats["persisted_steps"] += 1
-        if h.rank == 0 and self._writer is not None:
-            self._writer.submit(self._publish, step, acc["world"], acc["ranks"])
+    def written_through(self) -> int | None:
+        """For this daemon's ballot: every step it queued up to this one is written (None
+        without a persistent tier)."""
+        return None if self._writer is None else self.through
 
-    def _publish(self, step: int, world: int, ranks: dict[int, Any]) -> None:
+    def failed(self, event: PersistFailed) -> None:
+        """A daemon could not write its part of ``event.step``: it is not published (the round
+        thread)."""
+        h = self.host
+        self.broken.add(event.step)
+        h.log(f"step {event.step} was not persisted: {event.error}")
+        if h.rank == 0 and self._writer is not None and self.root is not None:
+            partial = persist.partial_dir(self.root, h.config.job, event.step)
+            self._writer.submit(shutil.rmtree, partial, True)
+
+    def written_everywhere(self, upto: int) -> None:
+        """Every daemon has written every queued step up to ``upto``: the first daemon publishes
+        them (the round thread)."""
+        h = self.host
+        for step in sorted(s for s in self.unpublished if s <= upto):
+            world = self.unpublished.pop(step)
+            if step in self.broken:
+                self.broken.discard(step)
+                continue
+            h.stats["persisted_steps"] += 1
+            if h.rank == 0 and self._writer is not None:
+                self._writer.submit(self._publish, step, world)
+
+    def _publish(self, step: int, world: int) -> None:
         h = self.host
         assert self.root is not None
+        partial = persist.partial_dir(self.root, h.config.job, step)
         try:
+            ranks = {r: json.loads((partial / f"rank-{r}.json").read_text()) for r in range(world)}
+            for r in range(world):
+                (partial / f"rank-{r}.json").unlink()
             persist.publish(self.root, h.config.job, step, world, ranks)
             gone = persist.prune(self.root, h.config.job, h.config.persist_keep)
             if h.trace:
                 h.log(f"step {step} persisted; removed from disk: {gone or 'none'}")
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             h.log(f"publishing step {step} on disk failed: {exc}")
 
     # -- putting back and reading -----------------------------------------------------------------
@@ -164,7 +200,7 @@ class Tier:
         if not disk or (latest is not None and disk[-1] <= latest):
             return
         step = int(disk[-1])
-        taken: list[tuple[int, Any, dict[str, Any]]] = []
+        taken: list[tuple[int, Any, tuple[int, int, int]]] = []
         error = None
         try:
             m = persist.manifest(root, job, step)
@@ -174,9 +210,12 @@ class Tier:
                 if slot != h.slot:
                     continue
                 nbytes = int(entry["nbytes"])
-                buf = h.pool.take(nbytes, f"r{r}-")
-                taken.append((int(r), buf, entry))
+                table = pack_table(entry["meta"]["skeleton"], entry["meta"]["leaves"])
+                off, total = table_place(nbytes, len(table))
+                buf = h.pool.take(total, f"r{r}-")
+                taken.append((int(r), buf, (off, len(table), total)))
                 persist.read_rank(persist.step_dir(root, job, step), entry, buf.file.array)
+                buf.file.array[off:total] = np.frombuffer(table, dtype=np.uint8)
         except StorageError as exc:
             error = f"{type(exc).__name__}: {exc}"
         errors = [e for e in h.links.allgather_json(error, f"restore of {step}") if e]
@@ -187,15 +226,9 @@ class Tier:
             return
         world = int(m["world_size"])
         with h.lock:
-            for r, buf, entry in taken:
-                shard = {
-                    "rank": r,
-                    "slot": h.slot,
-                    "nbytes": int(entry["nbytes"]),
-                    "buffer": buf.name,
-                    "meta": entry["meta"],
-                }
-                h.events.append({"e": "staged", "step": step, "world_size": world, "shard": shard})
+            for r, buf, (off, length, total) in taken:
+                shard = ShardRecord(r, h.slot, total, buf.name, (off, length))
+                h.events.append(Staged(step, world, shard))
                 h.announced.add(step)
             self.restoring = step
         h.stats["restored_steps"] += 1
@@ -231,7 +264,8 @@ class Tier:
         )
 
     def read(self, step: int, rank: int, meta_only: bool) -> dict[str, Any]:
-        """Rank ``rank`` of persisted ``step``: read into a temporary file the caller maps."""
+        """Rank ``rank`` of persisted ``step``: read into a temporary file the caller maps, laid
+        out as a shard in memory (its table after its leaves)."""
         h = self.host
         assert self.root is not None
         m = persist.manifest(self.root, h.config.job, step)
@@ -241,24 +275,34 @@ class Tier:
                 f"step {step} on disk has no rank {rank} (world_size {m['world_size']})", step
             )
         nbytes = int(entry["nbytes"])
-        out = {"step": step, "meta": entry["meta"], "nbytes": nbytes, "tier": "disk"}
         if meta_only:
-            return out
+            return {"step": step, "meta": entry["meta"], "tier": "disk"}
+        table = pack_table(entry["meta"]["skeleton"], entry["meta"]["leaves"])
+        off, total = table_place(nbytes, len(table))
         path = h.dir / "tmp" / f"disk-{h.next_id('d')}"
         try:
-            tmp = shm.create(path, max(nbytes, 1), prefault_pages=False)
+            tmp = shm.create(path, max(total, 1), prefault_pages=False)
         except OSError as exc:
             msg = f"no memory to read step {step} rank {rank} from disk: {exc}"
             raise CapacityError(msg) from exc
         try:
             persist.read_rank(persist.step_dir(self.root, h.config.job, step), entry, tmp.array)
+            tmp.array[off:total] = np.frombuffer(table, dtype=np.uint8)
         except StorageError:
             path.unlink(missing_ok=True)
             raise
         finally:
             tmp.close()
         h.stats["disk_reads"] += 1
-        return {**out, "path": str(path), "size": max(nbytes, 1), "temp": True}
+        return {
+            "step": step,
+            "nbytes": total,
+            "table": [off, len(table)],
+            "tier": "disk",
+            "path": str(path),
+            "size": max(total, 1),
+            "temp": True,
+        }
 
     def manifest(self, step: int) -> dict[str, Any]:
         assert self.root is not None

@@ -22,7 +22,7 @@ import numpy as np
 
 from transport.errors import PeerTimeoutError
 
-__all__ = ["Counters", "Links", "pieces"]
+__all__ = ["Counters", "Gathering", "Links", "pieces"]
 
 DEFAULT_PIECE = 64 << 20
 MAX_PIECE = (1 << 31) - 1
@@ -36,10 +36,22 @@ def pieces(nbytes: int, piece_bytes: int = DEFAULT_PIECE) -> list[tuple[int, int
 
 @dataclass
 class Counters:
-    """Bytes moved by this daemon over MPI (payload only)."""
+    """Bytes moved by this daemon over MPI (payload only): point-to-point sent and received, and
+    the results of collectives received (``gathered``: an allgather's whole result, a
+    reduction's one vector)."""
 
     sent: int = 0
     received: int = 0
+    gathered: int = 0
+
+
+@dataclass
+class Gathering:
+    """An allgather of JSON objects in flight: its sizes are being exchanged."""
+
+    payload: Any
+    sizes: Any
+    requests: list[Any]
 
 
 class Links:
@@ -124,10 +136,23 @@ class Links:
         self, obj: Any, what: str = "allgather", timeout: float | None = None, busy: bool = False
     ) -> list[Any]:
         """Every daemon's ``obj`` (JSON-serialisable), in rank order."""
+        g = self.start_allgather_json(obj)
+        self.wait(g.requests, what + " (sizes)", timeout, busy)
+        return self.finish_allgather_json(g, what, timeout, busy)
+
+    def start_allgather_json(self, obj: Any) -> Gathering:
+        """Post the first half of :meth:`allgather_json` (the sizes), to be waited on with other
+        requests; :meth:`finish_allgather_json` completes it once they are done."""
         payload = np.frombuffer(json.dumps(obj, separators=(",", ":")).encode(), dtype=np.uint8)
         sizes = np.zeros(self.size, dtype=np.int64)
         mine = np.array([payload.nbytes], dtype=np.int64)
-        self.wait([self.comm.Iallgather(mine, sizes)], what + " (sizes)", timeout, busy)
+        return Gathering(payload, sizes, [self.comm.Iallgather(mine, sizes)])
+
+    def finish_allgather_json(
+        self, g: Gathering, what: str, timeout: float | None = None, busy: bool = False
+    ) -> list[Any]:
+        """The objects of a gathering whose sizes have arrived, in rank order."""
+        sizes, payload = g.sizes, g.payload
         total = int(sizes.sum())
         out = np.empty(max(total, 1), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -137,10 +162,21 @@ class Links:
             [out, (counts.tolist(), displs.tolist()), _byte()],
         )
         self.wait([req], what, timeout, busy)
+        self.counters.gathered += total + sizes.nbytes
         return [
             json.loads(out[int(d) : int(d) + int(c)].tobytes()) if c else None
             for d, c in zip(displs, counts, strict=True)
         ]
+
+    def start_allreduce(self, values: Any, op: str) -> tuple[list[Any], Any]:
+        """Post a reduction of the int64 vector ``values`` over every rank (``op`` "sum" or
+        "max"); returns the requests to wait on and the array the result lands in."""
+        from mpi4py import MPI
+
+        out = np.empty_like(values)
+        req = self.comm.Iallreduce(values, out, op=MPI.SUM if op == "sum" else MPI.MAX)
+        self.counters.gathered += out.nbytes
+        return [req], out
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         self.wait([self.comm.Ibarrier()], what, timeout)

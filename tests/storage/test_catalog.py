@@ -1,78 +1,164 @@
+"""The catalog's state machine, driven by ballots and group events as the rounds drive it."""
+
 from __future__ import annotations
 
-from typing import Any
+import numpy as np
+import pytest
 
 from storage.catalog import Catalog
 from storage.placement import make_groups
+from storage.protocol import LANES, Ballot, ShardRecord, StepState
 
 
-def staged(step: int, rank: int, slot: int, world: int, nbytes: int = 10) -> dict[str, Any]:
-    shard = {"rank": rank, "slot": slot, "nbytes": nbytes, "buffer": f"b{rank}", "meta": {}}
-    return {"e": "staged", "step": step, "world_size": world, "shard": shard}
+def catalog(slots: int = 2, keep: int = 2) -> Catalog:
+    cat = Catalog(make_groups(slots, 1, slots - 1), slots, 4096, keep=keep)
+    cat.group = cat.groups[0]
+    cat.hosts = [f"host{s}" for s in range(slots)]
+    return cat
+
+
+def shard(rank: int, slot: int, nbytes: int = 10) -> ShardRecord:
+    return ShardRecord(rank, slot, nbytes, f"b{rank}-{slot}", (0, 0))
+
+
+def staged(cat: Catalog, step: int, ranks: list[int], world: int) -> Ballot:
+    """The job's ballot of a round in which ``ranks`` were staged (rank r on slot r % slots)."""
+    lane = cat.lane_of(step)
+    assert lane is not None
+    b = Ballot()
+    for r in ranks:
+        cat.staged(step, shard(r, r % cat.slots))
+        b.add(lane, Ballot.STAGED, 1)
+        b.add(lane, Ballot.RANK_SUM, r)
+        b.add(lane, Ballot.RANK_SQ, r * r)
+        b.add(lane, Ballot.DATA_BYTES, 10)
+        b.raise_to(lane, Ballot.WORLD, world)
+        b.raise_to(lane, Ballot.WORLD_NEG, -world)
+    return b
+
+
+def counts(cat: Catalog, step: int, field: int, n: int, extra: int = 0) -> Ballot:
+    lane = cat.lane_of(step)
+    assert lane is not None
+    b = Ballot()
+    b.add(lane, field, n)
+    if field == Ballot.STORED:
+        b.add(lane, Ballot.PARITY_BYTES, extra)
+    return b
 
 
 def protect(cat: Catalog, step: int, world: int = 2) -> None:
-    for r in range(world):
-        cat.apply(r, staged(step, r, r, world))
-    assert cat.steps[step].state == "ready"
-    for slot in range(cat.slots):
-        cat.apply(slot, {"e": "prepared", "step": step, "error": None})
-    assert cat.steps[step].state == "encoding"
-    for slot in range(cat.slots):
-        assert cat.latest() != step  # never visible before every daemon stored parity
-        cat.apply(slot, {"e": "stored", "step": step, "crc": {}})
+    assert cat.assign(step) is not None
+    cat.count(staged(cat, step, list(range(world)), world))
+    assert cat.steps[step].state == StepState.READY
+    cat.count(counts(cat, step, Ballot.PREPARED, cat.slots))
+    assert cat.steps[step].state == StepState.ENCODING
+    cat.count(counts(cat, step, Ballot.STORED, cat.slots - 1))
+    assert cat.latest() != step  # never visible before every daemon stored parity
+    cat.count(counts(cat, step, Ballot.STORED, 1, extra=4096))
+    assert cat.steps[step].state == StepState.PROTECTED
 
 
 def test_lifecycle_and_retention() -> None:
-    cat = Catalog(make_groups(2, 1, 1), 2, 4096, keep=2)
+    cat = catalog()
     assert cat.latest() is None
     protect(cat, 1)
     protect(cat, 2)
-    assert cat.protected() == [1, 2]
-    cat.apply(0, staged(3, 0, 0, 2))
-    assert cat.protected() == [1, 2] and cat.steps[3].state == "staging"
-    cat.apply(1, staged(3, 1, 1, 2))
-    for slot in range(2):
-        cat.apply(slot, {"e": "prepared", "step": 3, "error": None})
-    cat.apply(0, {"e": "stored", "step": 3, "crc": {}})
+    assert cat.protected() == [1, 2] and cat.lanes == [None] * LANES
+    cat.assign(3)
+    cat.count(staged(cat, 3, [0], 2))
+    assert cat.protected() == [1, 2] and cat.steps[3].state == StepState.STAGING
+    cat.count(staged(cat, 3, [1], 2))
+    cat.count(counts(cat, 3, Ballot.PREPARED, 2))
+    cat.count(counts(cat, 3, Ballot.STORED, 1))
     assert cat.protected() == [1, 2]  # step 1 stays until step 3 is protected
-    cat.apply(1, {"e": "stored", "step": 3, "crc": {}})
+    cat.count(counts(cat, 3, Ballot.STORED, 1))
     assert cat.protected() == [2, 3]
+    rec = cat.steps[3]
+    assert rec.world_size == 2 and rec.data_bytes == 20 and rec.lane is None
+    assert sorted(rec.shards) == [0, 1] and len(rec.layouts) == 1
 
 
-def test_failed_prepare_fails_the_step_only() -> None:
-    cat = Catalog(make_groups(2, 1, 1), 2, 4096, keep=2)
+def test_failed_prepare_fails_the_step_only_and_names_the_host() -> None:
+    cat = catalog()
     protect(cat, 1)
-    cat.apply(0, staged(2, 0, 0, 2))
-    cat.apply(1, staged(2, 1, 1, 2))
-    cat.apply(0, {"e": "prepared", "step": 2, "error": None})
-    cat.apply(1, {"e": "prepared", "step": 2, "error": "no memory"})
-    assert cat.steps[2].state == "failed" and cat.steps[2].error == "no memory"
+    cat.assign(2)
+    cat.count(staged(cat, 2, [0, 1], 2))
+    b = counts(cat, 2, Ballot.PREPARED, 1)
+    lane = cat.lane_of(2)
+    assert lane is not None
+    b.add(lane, Ballot.PREP_FAILED, 1)
+    b.raise_to(lane, Ballot.FAIL_SLOT_NEG, -1)
+    cat.count(b)
+    rec = cat.steps[2]
+    assert rec.state == StepState.FAILED and rec.lane is None
+    assert rec.error is not None and rec.error["error"] == "CapacityError"
+    assert "host1" in rec.error["message"]
+    cat.drop_failed(2)
+    assert 2 not in cat.steps and cat.failed[2]["error"] == "CapacityError"
     assert cat.protected() == [1]
 
 
 def test_world_size_mismatch_fails_step() -> None:
-    cat = Catalog(make_groups(2, 1, 1), 2, 4096, keep=2)
-    cat.apply(0, staged(5, 0, 0, 2))
-    cat.apply(1, staged(5, 1, 1, 3))
-    assert cat.steps[5].state == "failed"
+    cat = catalog()
+    cat.assign(5)
+    b = staged(cat, 5, [0], 2)
+    b2 = staged(cat, 5, [1], 3)
+    b.sums += b2.sums  # the reduction of two daemons' ballots
+    b.maxima = np.maximum(b.maxima, b2.maxima)
+    cat.count(b)
     error = cat.steps[5].error
+    assert cat.steps[5].state == StepState.FAILED
     assert error is not None and error["error"] == "StorageError"
     assert "world_size" in error["message"]
 
 
-def test_same_log_same_catalog() -> None:
-    """Two daemons applying one event log agree on everything."""
-    log = []
-    for step in (1, 2, 3):
-        for r in range(4):
-            log.append((r % 2, staged(step, r, r % 2, 4, 1000 * (r + 1))))
-        log += [(s, {"e": "prepared", "step": step, "error": None}) for s in range(2)]
-        log += [(s, {"e": "stored", "step": step, "crc": {}}) for s in range(2)]
-    a = Catalog(make_groups(2, 1, 1), 2, 4096, keep=2)
-    b = Catalog(make_groups(2, 1, 1), 2, 4096, keep=2)
-    for slot, e in log:
-        a.apply(slot, e)
-        b.apply(slot, e)
-    assert a.protected() == b.protected() == [2, 3]
-    assert a.steps[3].layouts[0].stripes == b.steps[3].layouts[0].stripes
+def test_a_rank_counted_twice_fails_the_step() -> None:
+    cat = catalog(slots=3)
+    cat.assign(7)
+    b = staged(cat, 7, [0, 0, 2], 3)  # rank 0 on two hosts, rank 1 nowhere: 3 shards, world 3
+    cat.count(b)
+    error = cat.steps[7].error
+    assert cat.steps[7].state == StepState.FAILED
+    assert error is not None and "two hosts" in error["message"]
+
+
+def test_a_rank_putting_again_replaces_its_shard() -> None:
+    cat = catalog()
+    cat.assign(4)
+    cat.staged(4, shard(0, 0))
+    old = cat.staged(4, ShardRecord(0, 0, 10, "newer", (0, 0)))
+    assert old is not None and old.buffer == "b0-0"
+    assert cat.steps[4].shards[0].buffer == "newer"
+
+
+def test_lanes_run_out_and_the_oldest_staging_step_is_named() -> None:
+    cat = catalog()
+    for step in range(LANES):
+        assert cat.assign(100 + step) is not None
+    assert cat.assign(999) is None
+    assert cat.oldest_staging() == 100
+    cat.fail(100, "abandoned")
+    assert cat.steps[100].state == StepState.FAILED
+    assert cat.assign(999) is not None
+
+
+def test_delete_and_lose() -> None:
+    cat = catalog()
+    protect(cat, 1)
+    protect(cat, 2)
+    cat.delete(1)
+    assert cat.protected() == [2]
+    rec = cat.lose(2, ["host1"], [1])
+    assert rec is not None and rec.state == StepState.LOST and cat.latest() is None
+    assert cat.lose(2, ["host1"], [1]) is None  # once
+    # a lost step's number may be put afresh
+    assert cat.assign(2) is not None and cat.steps[2].state == StepState.STAGING
+
+
+@pytest.mark.parametrize("world", [1, 2, 5, 64])
+def test_rank_sums_accept_one_of_each(world: int) -> None:
+    cat = catalog(slots=2)
+    cat.assign(1)
+    cat.count(staged(cat, 1, list(range(world)), world))
+    assert cat.steps[1].state == StepState.READY
