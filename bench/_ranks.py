@@ -24,7 +24,13 @@ __all__ = ["Workers", "fresh", "run_fresh", "worker"]
 
 
 def _state(spec: dict[str, Any]) -> dict[str, Any]:
-    return make_state(spec["rank"], 0, nbytes=spec["nbytes"], tensors=spec["ntensors"])
+    return make_state(
+        spec["rank"],
+        0,
+        nbytes=spec["nbytes"],
+        tensors=spec["ntensors"],
+        model=spec.get("model", 0),
+    )
 
 
 def _connect(spec: dict[str, Any]) -> Any:
@@ -57,8 +63,15 @@ def worker(spec: dict[str, Any]) -> None:
             t_return = time.perf_counter() - t0
             h.staged.result()
             t_staged = time.perf_counter() - t0
+            at_staged = time.time()
             h.wait()
-            out = {"return": t_return, "staged": t_staged, "protected": time.perf_counter() - t0}
+            out = {
+                "return": t_return,
+                "staged": t_staged,
+                "protected": time.perf_counter() - t0,
+                "at_staged": at_staged,  # wall clock: compared across the ranks' processes
+                "at_protected": time.time(),
+            }
         elif cmd["op"] == "get":
             t0 = time.perf_counter()
             got = store.get(cmd["step"])
@@ -158,7 +171,9 @@ def run_fresh(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Workers:
     """One worker rank per host (rank r on host r), ``nbytes`` of state split among them."""
 
-    def __init__(self, job: str, root: Any, nbytes: int, ntensors: int, hosts: int) -> None:
+    def __init__(
+        self, job: str, root: Any, nbytes: int, ntensors: int, hosts: int, model: int = 0
+    ) -> None:
         self.specs = [
             {
                 "job": job,
@@ -168,6 +183,7 @@ class Workers:
                 "host": f"host{rank}",
                 "nbytes": nbytes // hosts,
                 "ntensors": max(ntensors // hosts, 1),
+                "model": model,
             }
             for rank in range(hosts)
         ]

@@ -11,6 +11,7 @@ __all__ = ["main"]
 # benchmark name -> (module, function taking the remaining arguments)
 BENCHMARKS = {
     "codec": ("bench.codec", "main"),
+    "control": ("bench.control", "main"),
     "store": ("bench.store", "main"),
     "persist": ("bench.persist", "main"),
     "train": ("bench.train", "main"),

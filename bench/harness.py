@@ -202,17 +202,23 @@ def make_state(
     tensors: int = 3,
     every_kind: bool = False,
     scale: int = 1,
+    model: int = 0,
 ) -> dict[str, Any]:
     """The state rank ``rank`` puts at ``step``: the same for the same arguments, bit for bit.
 
     ``tensors`` tensors of about ``nbytes`` together (float32, bfloat16 and int64 in turn,
-    1024 columns where they have that many elements). With ``every_kind``, also every kind of
+    1024 columns where they have that many elements). With ``model``, instead a state shaped
+    like a model's and its AdamW optimizer's, of ``model`` small tensors: a third of them
+    parameters of 64 to 512 elements (named like a transformer's), each with ``exp_avg`` and
+    ``exp_avg_sq``, and a step counter per parameter. With ``every_kind``, also every kind of
     leaf a trainer puts: a model's, an optimizer's and a scheduler's state dicts (their width
     grows with ``scale``), each dtype ecsnap stores, views sharing storage, a non-contiguous and
     a zero-size tensor, numpy arrays and scalars, RNG states, a StatefulDataLoader's state and
     plain values (NaN, bytes, None, an int key, a torch.Size, a dtype, an OrderedDict).
     """
     g = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    if model:
+        return _model_shaped(model, step, g)
     per = max(nbytes // max(tensors, 1), 8)
     state: dict[Any, Any] = {}
     for i in range(tensors):
@@ -226,6 +232,20 @@ def make_state(
     if every_kind:
         state.update(_every_kind(rank, step, scale, g))
     return state
+
+
+def _model_shaped(tensors: int, step: int, g: torch.Generator) -> dict[str, Any]:
+    names = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3", "norm")
+    model = {}
+    for i in range(max(tensors // 3, 1)):
+        name = f"layers.{i // len(names)}.{names[i % len(names)]}.weight"
+        model[name] = torch.randn(64 << (i % 4), generator=g)
+    state = {
+        i: {"step": torch.tensor(float(step)), "exp_avg": t.clone(), "exp_avg_sq": t.square()}
+        for i, t in enumerate(model.values())
+    }
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(state)}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
 def _every_kind(rank: int, step: int, scale: int, g: torch.Generator) -> dict[str, Any]:

@@ -9,10 +9,13 @@ A round carries three kinds of traffic (see :mod:`storage.rounds`):
 - a :class:`Ballot` per daemon, reduced over the whole job (sums and maxima of a fixed-size
   vector of int64, whatever the number of hosts, ranks or tensors): per in-flight step lane, the
   ranks staged, the daemons prepared and stored; and a few job-wide fields;
-- the group's events (:data:`GROUP_EVENTS`), gathered within the group of k+m hosts only: the
-  shard records and checksums a group needs to encode and rebuild its members' blobs;
+- the group's events (:data:`GROUP_EVENTS`), gathered within the group of k+m hosts only, in a
+  round where some group has any (the ballot counts them): the shard records and checksums a
+  group needs to encode and rebuild its members' blobs;
 - rare events (:data:`RARE_EVENTS`), gathered over the job only in a round where some daemon has
   one (the ballot counts them): deletes, fetches for reads from another host, repairs, lost steps.
+
+An idle round is the ballot's two reductions alone.
 """
 
 from __future__ import annotations
@@ -89,9 +92,9 @@ class Ballot:
     - maxima: the world size given (and its negation: the smallest), the negated lowest slot
       that failed to prepare.
 
-    Job-wide: rare events waiting (sum), work waiting (sum); stop asked (max), the lowest new
-    step wanting a lane (max of its negation), the lowest step every daemon has persisted
-    through (max of its negation).
+    Job-wide: rare events waiting, group events waiting (in some group: then every group gathers
+    its own), work waiting (sums); stop asked, the lowest new step wanting a lane (the max of
+    its negation), the lowest step every daemon has persisted through (likewise).
     """
 
     # per-lane sums
@@ -101,11 +104,11 @@ class Ballot:
     WORLD, WORLD_NEG, FAIL_SLOT_NEG = range(3)
     LANE_MAXIMA = 3
     # job-wide sums and maxima, after the lanes
-    RARE, BUSY = range(2)
+    RARE, GROUP, BUSY = range(3)
     STOP, NEW_STEP_NEG, PERSISTED_NEG = range(3)
 
     def __init__(self) -> None:
-        self.sums = np.zeros(LANES * self.LANE_SUMS + 2, dtype=np.int64)
+        self.sums = np.zeros(LANES * self.LANE_SUMS + 3, dtype=np.int64)
         self.maxima = np.full(LANES * self.LANE_MAXIMA + 3, NONE, dtype=np.int64)
 
     @property

@@ -7,9 +7,9 @@ thread that drives MPI. Each round every daemon
    round carries (see :mod:`storage.protocol`): counts in its :class:`Ballot` (fixed size),
    shard records and checksums for its group, and rare events for the whole job;
 2. reduces the ballots over the job (sum and max of one int64 vector: the cost per daemon does
-   not grow with the job but as the reduction's log2 of the hosts), gathers the group's events
-   among the k+m hosts of the group, and, only in a round where some daemon has one, gathers the
-   rare events over the job;
+   not grow with the job but as the reduction's log2 of the hosts); then, only in a round whose
+   ballot says some daemon has one, gathers the group's events among the k+m hosts of each
+   group, and the rare events over the job;
 3. applies them, the same on every daemon: the group's events and the ballot to the
    :class:`~storage.catalog.Catalog` (so every daemon takes the same decisions without a leader),
    rare events to the modules they are for, a lane to the lowest new step;
@@ -79,11 +79,12 @@ class Rounds:
             timeout = h.config.peer_timeout
             sum_reqs, sums = h.links.start_allreduce(ballot.sums, "sum")
             max_reqs, maxima = h.links.start_allreduce(ballot.maxima, "max")
-            gathering = h.gl.start_allgather_json(group_out)
-            h.links.wait(sum_reqs + max_reqs + gathering.requests, "round", timeout, busy)
-            group_in = h.gl.finish_allgather_json(gathering, "round (group)", timeout, busy)
+            h.links.wait(sum_reqs + max_reqs, "round", timeout, busy)
             job = Ballot()
             job.sums, job.maxima = sums, maxima
+            group_in: list[Any] = []
+            if job.job_sum(Ballot.GROUP):  # every group gathers, so that every daemon agrees
+                group_in = h.gl.allgather_json(group_out, "round (group)", timeout, busy)
             rare_in: list[Any] = []
             if job.job_sum(Ballot.RARE):
                 rare_in = h.links.allgather_json(rare_out, "round (rare events)", timeout, busy)
@@ -148,6 +149,7 @@ class Rounds:
                 elif rec is None or rec.state == StepState.LOST:
                     ballot.raise_job(Ballot.NEW_STEP_NEG, -step)  # a lane, please
             ballot.add_job(Ballot.RARE, len(rare_out))
+            ballot.add_job(Ballot.GROUP, len(group_out))
             busy = bool(events) or bool(self.waiting)
             ballot.add_job(Ballot.BUSY, int(busy))
             ballot.raise_job(Ballot.STOP, int(h.stopping))
