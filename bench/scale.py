@@ -13,6 +13,15 @@ host(s), the scheme of Gemini and NVIDIA's local checkpointing). For each scheme
 - expected training time lost per day at a snapshot interval: each failure costs half an
   interval when memory survives, and half a persistent-checkpoint interval when it does not.
 
+The control plane's per-daemon costs measured by the last ``ecsnap bench control`` run (bytes
+gathered, daemon CPU and metadata per step, at 4 to 32 virtual hosts) are carried to 16,384
+hosts: each is fitted as ``a + b log2 N`` over the measured sizes (a reduction's cost grows as
+log2 N; everything else a daemon does per step is its group's, of fixed size), beside the wire
+bytes of the ballot's reductions (its size x log2 N per round). For contrast, the control plane
+before (every rank's tensor table gathered by every daemon each step) grew linearly: measured at
+4 and 12 virtual hosts with 3,000 tensors per rank, 0.59 and 1.43 s of daemon CPU and 1.7 and
+5.1 MB of metadata per host per step; that line is extrapolated the same way, linearly.
+
 The memory and network columns are checked against the bytes the daemons counted in the last
 ``ecsnap bench store`` run (``bench/results/store.jsonl``), RS(k, m) and, where that run had it,
 2-way replication by the same daemons, and the match is printed. (The daemons replicate within
@@ -30,7 +39,7 @@ from typing import Any
 
 from bench._common import RESULTS, Recorder, table
 
-__all__ = ["main", "p_loss_burst", "p_loss_independent", "run"]
+__all__ = ["control_model", "fit_log2", "main", "p_loss_burst", "p_loss_independent", "run"]
 
 SIZES = [64, 256, 1024, 4096, 16384]
 DAILY_FAILURE = 0.015  # fraction of hosts failing per day (OPT-175B logbook, order of magnitude)
@@ -124,6 +133,63 @@ def measured_ratios() -> dict[str, dict[str, float]]:
         got = out.setdefault(name, {"parity_over_blob": 0.0, "sent_over_blob": 0.0})
         got["parity_over_blob"] = max(got["parity_over_blob"], r["parity_over_blob"])
         got["sent_over_blob"] = max(got["sent_over_blob"], r["sent_over_blob"])
+    return out
+
+
+# the control plane before the flat one, as measured (issue #19): N -> per daemon per step
+BEFORE = {"cpu_s": {4: 0.59, 12: 1.43}, "metadata_bytes": {4: 1.7e6, 12: 5.1e6}}
+
+
+def fit_log2(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares (a, b) of ``y = a + b log2 N`` over ``points`` (N -> y)."""
+    xs = [math.log2(n) for n in points]
+    ys = list(points.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def _linear(points: dict[int, float], n: int) -> float:
+    (n0, y0), (n1, y1) = sorted(points.items())
+    return y0 + (y1 - y0) * (n - n0) / (n1 - n0)
+
+
+def control_costs() -> list[dict[str, Any]]:
+    """The per-size cost records of the newest ``bench control`` run (empty if none)."""
+    path = RESULTS / "control.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    costs = [r for r in recs if r.get("kind") == "cost"]
+    if not costs:
+        return []
+    last = costs[-1]["run_id"]
+    return [r for r in costs if r["run_id"] == last]
+
+
+def control_model(costs: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+    """The measured per-daemon costs carried to ``sizes`` hosts (see the module docstring)."""
+    fields = {
+        "cpu_s_per_step": "cpu_s_per_step",
+        "gathered_bytes_per_step": "gathered_bytes_per_step",
+        "metadata_bytes_per_step": "metadata_bytes_per_step",
+    }
+    fits = {
+        name: fit_log2({int(c["hosts"]): float(c[key]) for c in costs})
+        for name, key in fields.items()
+    }
+    ballot = float(costs[0]["ballot_bytes"])
+    rounds = sum(float(c["rounds_per_step"]) for c in costs) / len(costs)
+    out = []
+    for n in sizes:
+        row: dict[str, Any] = {"hosts": n}
+        for name, (a, b) in fits.items():
+            row[name] = a + b * math.log2(n)
+        row["reduction_wire_bytes_per_step"] = rounds * ballot * math.ceil(math.log2(n))
+        row["before_cpu_s_per_step"] = _linear(BEFORE["cpu_s"], n)
+        row["before_metadata_bytes_per_step"] = _linear(BEFORE["metadata_bytes"], n)
+        out.append(row)
     return out
 
 
@@ -229,6 +295,50 @@ def run(
         )
     if not checks:
         print(f"\n(no bench store run with RS({k},{m}) to check the byte model against)")
+    costs = control_costs()
+    if costs:
+        measured = sorted(int(c["hosts"]) for c in costs)
+        model = control_model(costs, sorted({*measured, *SIZES}))
+        for row in model:
+            rec.add(
+                kind="control",
+                measured=row["hosts"] in measured,
+                unit="per daemon per step: s, bytes",
+                control_run=costs[0]["run_id"],
+                **row,
+            )
+        path = rec.write()
+        print(
+            f"\ncontrol plane per daemon per step, fitted a + b log2 N over the bench control run "
+            f"at {measured} hosts, against the control plane before (linear):"
+        )
+        print(
+            table(
+                [
+                    (
+                        r["hosts"],
+                        r["cpu_s_per_step"] * 1e3,
+                        r["gathered_bytes_per_step"],
+                        r["reduction_wire_bytes_per_step"],
+                        r["metadata_bytes_per_step"],
+                        r["before_cpu_s_per_step"],
+                        r["before_metadata_bytes_per_step"],
+                    )
+                    for r in model
+                ],
+                [
+                    "hosts",
+                    "daemon CPU ms",
+                    "gathered B",
+                    "reduction wire B",
+                    "metadata B/host",
+                    "before: CPU s",
+                    "before: metadata B",
+                ],
+            )
+        )
+    else:
+        print("\n(no bench control run to carry the control plane's costs from)")
     print(f"wrote {len(rec.records)} records to {path}")
     return rec.records
 

@@ -209,6 +209,57 @@ def train_chart() -> Path | None:
     return out
 
 
+def control_chart() -> Path | None:
+    """The control plane per daemon per step against the number of hosts: measured (bench
+    control) and carried to 16,384 hosts (bench scale), beside the control plane before."""
+    measured = [r for r in newest_run("control") if r.get("kind") == "cost"]
+    if not measured:
+        return None
+    model = [r for r in newest_run("scale") if r.get("kind") == "control"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    panels = [
+        ("cpu_s_per_step", "before_cpu_s_per_step", "daemon CPU s per step", 1.0),
+        ("gathered_bytes_per_step", None, "bytes gathered per daemon per step", 1.0),
+        ("metadata_bytes_per_step", "before_metadata_bytes_per_step", "metadata MB per host", 1e6),
+    ]
+    for ax, (key, before, title, scale) in zip(axes, panels, strict=True):
+        xs = [r["hosts"] for r in measured]
+        ax.plot(xs, [r[key] / scale for r in measured], "o-", label="measured (bench control)")
+        if model:
+            mx = [r["hosts"] for r in model]
+            ax.plot(mx, [r[key] / scale for r in model], "--", label="a + b log2 N (bench scale)")
+            if before:
+                ax.plot(
+                    mx,
+                    [r[before] / scale for r in model],
+                    ":",
+                    label="before (linear, measured at 4, 12)",
+                )
+            if key == "gathered_bytes_per_step":
+                ax.plot(
+                    mx,
+                    [r["reduction_wire_bytes_per_step"] for r in model],
+                    ":",
+                    label="reductions on the wire",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hosts")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    run = measured[0]
+    fig.suptitle(
+        f"control plane, {run['params']['tensors']} tensors per rank, RS(3,1) groups, a snapshot "
+        f"every {run['params']['interval_s']:g} s step (run {run['run_id']})"
+    )
+    fig.tight_layout()
+    out = HERE / "control.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def newest_per_fault() -> list[dict[str, Any]]:
     """Each fault's newest line with the most trials (a full matrix may span several runs)."""
     path = RESULTS / "faults.jsonl"
@@ -258,6 +309,7 @@ def faults_chart() -> Path | None:
 
 CHARTS = {
     "codec": codec_chart,
+    "control": control_chart,
     "scale": scale_chart,
     "store": store_chart,
     "persist": persist_chart,
