@@ -268,6 +268,19 @@ def run(
             parity_error=match["parity_measured"] / match["parity_model"] - 1,
             sent_error=match["sent_measured"] / match["sent_model"] - 1,
         )
+    costs = control_costs()
+    model: list[dict[str, Any]] = []
+    ran = sorted(int(c["hosts"]) for c in costs)
+    if costs:
+        model = control_model(costs, sorted({*ran, *SIZES}))
+        for row in model:
+            rec.add(
+                kind="control",
+                measured=row["hosts"] in ran,
+                unit="per daemon per step: s, bytes",
+                control_run=costs[0]["run_id"],
+                **row,
+            )
     path = rec.write()
     print(
         table(
@@ -295,22 +308,10 @@ def run(
         )
     if not checks:
         print(f"\n(no bench store run with RS({k},{m}) to check the byte model against)")
-    costs = control_costs()
-    if costs:
-        measured = sorted(int(c["hosts"]) for c in costs)
-        model = control_model(costs, sorted({*measured, *SIZES}))
-        for row in model:
-            rec.add(
-                kind="control",
-                measured=row["hosts"] in measured,
-                unit="per daemon per step: s, bytes",
-                control_run=costs[0]["run_id"],
-                **row,
-            )
-        path = rec.write()
+    if model:
         print(
             f"\ncontrol plane per daemon per step, fitted a + b log2 N over the bench control run "
-            f"at {measured} hosts, against the control plane before (linear):"
+            f"at {ran} hosts, against the control plane before (linear):"
         )
         print(
             table(
