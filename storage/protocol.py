@@ -21,8 +21,9 @@ An idle round is the ballot's two reductions alone.
 from __future__ import annotations
 
 import enum
+import types
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar, TypedDict, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 
@@ -31,6 +32,7 @@ __all__ = [
     "LANES",
     "NONE",
     "RARE_EVENTS",
+    "REQUESTS",
     "Ballot",
     "Delete",
     "Event",
@@ -41,12 +43,14 @@ __all__ = [
     "Prepared",
     "Repair",
     "Repaired",
+    "RequestError",
     "ShardRecord",
     "Snapshot",
     "Staged",
     "StepState",
     "Stored",
     "event_from_json",
+    "parse_request",
 ]
 
 
@@ -312,9 +316,19 @@ def event_from_json(d: dict[str, Any]) -> Event:
 
 
 # -- socket requests -------------------------------------------------------------------------------
+# One TypedDict per request a Store sends its daemon (``op`` names it); :func:`parse_request`
+# checks a frame against its type before a handler sees it.
+
+
+class HelloRequest(TypedDict):
+    op: str
+    job: str
+    rank: int
 
 
 class AllocRequest(TypedDict):
+    """A buffer of ``nbytes`` for rank ``rank``'s shard of ``step``."""
+
     op: str
     step: int
     rank: int
@@ -323,7 +337,8 @@ class AllocRequest(TypedDict):
 
 
 class StagedRequest(TypedDict):
-    """The shard's bytes are in the buffer ``alloc`` gave, its table at ``table``."""
+    """The shard's bytes are in the buffer ``alloc`` gave, its tensor table at ``table``
+    (offset, length)."""
 
     op: str
     step: int
@@ -334,11 +349,48 @@ class StagedRequest(TypedDict):
     table: list[int]
 
 
+class AbortRequest(TypedDict):
+    op: str
+    step: int
+    rank: int
+
+
+class WaitRequest(TypedDict):
+    """Reply once ``step`` is protected (or failed), within ``timeout`` seconds."""
+
+    op: str
+    step: int
+    timeout: float | None
+
+
 class GetRequest(TypedDict, total=False):
     op: str
-    step: int | None
+    step: int | None  # None: the newest protected step
     rank: int
     meta_only: bool
+
+
+class ReleaseRequest(TypedDict):
+    op: str
+    path: str
+
+
+class UnleaseRequest(TypedDict):
+    op: str
+    buffers: list[str]
+
+
+class StepRequest(TypedDict):
+    """``status`` and ``delete`` of one step."""
+
+    op: str
+    step: int
+
+
+class PlainRequest(TypedDict):
+    """``steps`` and ``info``."""
+
+    op: str
 
 
 class GetReply(TypedDict, total=False):
@@ -356,6 +408,79 @@ class GetReply(TypedDict, total=False):
     buffer: str
     meta: dict[str, Any]
     tier: str
+
+
+REQUESTS: dict[str, Any] = {
+    "hello": HelloRequest,
+    "alloc": AllocRequest,
+    "staged": StagedRequest,
+    "abort": AbortRequest,
+    "wait": WaitRequest,
+    "get": GetRequest,
+    "release": ReleaseRequest,
+    "unlease": UnleaseRequest,
+    "steps": PlainRequest,
+    "status": StepRequest,
+    "delete": StepRequest,
+    "info": PlainRequest,
+}
+_AT_LEAST = {"world_size": 1}  # other ints are >= 0
+
+
+class RequestError(ValueError):
+    """A frame that is not a well-formed request; the message names the field."""
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[str, Any]:
+    """``(op, msg)`` with ``msg`` checked against its request type: every required key present,
+    every value of its type, ints >= 0 (``world_size`` >= 1). Raises :class:`RequestError`."""
+    op = msg.get("op")
+    kind = REQUESTS.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise RequestError(f"unknown request {op!r}; known: {', '.join(sorted(REQUESTS))}")
+    hints = get_type_hints(kind)
+    for key, tp in hints.items():
+        if key == "op":
+            continue
+        if key not in msg:
+            if key in kind.__required_keys__:
+                raise RequestError(f"request {op!r} lacks {key!r}")
+            continue
+        if not _is(msg[key], tp, _AT_LEAST.get(key, 0)):
+            raise RequestError(
+                f"request {op!r}: {key} must be {_describe(tp, key)}, got {msg[key]!r}"
+            )
+    return str(op), msg
+
+
+def _is(value: Any, tp: Any, low: int) -> bool:
+    if tp is int:
+        return type(value) is int and value >= low
+    if tp is float:
+        return type(value) in (int, float) and value >= 0
+    if tp is type(None):
+        return value is None
+    if tp in (str, bool):
+        return type(value) is tp
+    origin = get_origin(tp)
+    if origin is list:
+        (item,) = get_args(tp)
+        return type(value) is list and all(_is(v, item, 0) for v in value)
+    if origin is dict:
+        return type(value) is dict
+    if origin in (Union, types.UnionType):
+        return any(_is(value, t, low) for t in get_args(tp))
+    return False
+
+
+def _describe(tp: Any, key: str) -> str:
+    if tp is int:
+        return f"an int >= {_AT_LEAST.get(key, 0)}"
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(t, key) for t in get_args(tp))
+    if tp is type(None):
+        return "None"
+    return f"a {getattr(tp, '__name__', str(tp))}"
 
 
 # -- the daemon at a glance ------------------------------------------------------------------------

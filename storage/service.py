@@ -6,10 +6,12 @@ connection, with each framed JSON request. What it owns: the puts being staged o
 or change of shared state; it waits for rounds through :meth:`Host.wait_for`, never holding the
 lock across I/O.
 
-Requests (``op``): ``hello``, ``alloc``, ``staged``, ``abort``, ``wait``, ``get``, ``release``,
-``unlease``, ``steps``, ``status``, ``delete``, ``info``. A request that breaks the protocol is
-answered with a :class:`StorageError` naming the field; a bug in the daemon is answered as an
-internal error and logged with its traceback, never as a bad request.
+Requests (``op``, typed in :mod:`storage.protocol`): ``hello``, ``alloc``, ``staged``,
+``abort``, ``wait``, ``get``, ``release``, ``unlease``, ``steps``, ``status``, ``delete``,
+``info``. Each frame is checked against its type before its handler sees it: one that breaks the
+protocol is answered with a :class:`StorageError` naming the field ("bad request: ..."); a bug in
+the daemon is answered as an internal error and logged with its traceback, never as a bad
+request.
 """
 
 from __future__ import annotations
@@ -31,26 +33,29 @@ from storage.errors import (
 from storage.fetch import Fetcher
 from storage.host import Host
 from storage.leases import Leases
-from storage.protocol import Delete, ShardRecord, Snapshot, Staged
+from storage.protocol import (
+    AbortRequest,
+    AllocRequest,
+    Delete,
+    GetRequest,
+    HelloRequest,
+    PlainRequest,
+    ReleaseRequest,
+    RequestError,
+    ShardRecord,
+    Snapshot,
+    Staged,
+    StagedRequest,
+    StepRequest,
+    UnleaseRequest,
+    WaitRequest,
+    parse_request,
+)
 from storage.repair import Repairer
 from storage.tier import Tier
 from transport.control import Connection
 
 __all__ = ["Service"]
-
-
-def _int(msg: dict[str, Any], key: str, low: int = 0) -> int:
-    v = msg.get(key)
-    if type(v) is not int or v < low:
-        raise StorageError(f"{key} must be an int >= {low}, got {v!r}")
-    return v
-
-
-def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
-    v = msg.get(key)
-    if not isinstance(v, kind):
-        raise StorageError(f"bad request {msg.get('op')!r}: {key} must be a {kind.__name__}")
-    return v
 
 
 class Service:
@@ -72,12 +77,12 @@ class Service:
 
     def handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
         op = msg.get("op")
-        msg["_conn"] = id(conn)
-        handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         try:
-            if handler is None:
-                raise StorageError(f"unknown request {op!r}")
-            reply: dict[str, Any] = handler(msg)
+            try:
+                op, request = parse_request(msg)
+            except RequestError as exc:
+                raise StorageError(f"bad request: {exc}") from exc
+            reply: dict[str, Any] = getattr(self, f"_op_{op}")(request, id(conn))
             reply.setdefault("ok", True)
             return reply
         except StorageError as exc:
@@ -113,7 +118,7 @@ class Service:
 
     # -- putting ----------------------------------------------------------------------------------
 
-    def _op_hello(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_hello(self, msg: HelloRequest, conn: int) -> dict[str, Any]:
         h = self.host
         if msg.get("job") != h.config.job:
             raise StorageError(f"this daemon serves job {h.config.job!r}, not {msg.get('job')!r}")
@@ -127,11 +132,10 @@ class Service:
             "chunk_bytes": h.config.chunk_bytes,
         }
 
-    def _op_alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_alloc(self, msg: AllocRequest, conn: int) -> dict[str, Any]:
         h = self.host
         h.phase("staging")
-        step, rank = _int(msg, "step"), _int(msg, "rank")
-        world, nbytes = _int(msg, "world_size", 1), _int(msg, "nbytes")
+        step, rank, world, nbytes = msg["step"], msg["rank"], msg["world_size"], msg["nbytes"]
         if rank >= world:
             raise StorageError(f"rank {rank} is not below world_size {world}")
         with h.lock:
@@ -160,16 +164,15 @@ class Service:
             raise
         with h.lock:
             h.pending[(step, rank)] = buf.name
-            h.pending_conn[(step, rank)] = int(msg["_conn"])
+            h.pending_conn[(step, rank)] = conn
             h.t_alloc[(step, rank)] = time.monotonic()
         return {"buffer": buf.name, "path": str(h.pool.path(buf.name)), "size": buf.size}
 
-    def _op_staged(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_staged(self, msg: StagedRequest, conn: int) -> dict[str, Any]:
         h = self.host
-        step, rank = _int(msg, "step"), _int(msg, "rank")
-        world, nbytes = _int(msg, "world_size", 1), _int(msg, "nbytes")
-        table = _field(msg, "table", list)
-        if len(table) != 2 or any(type(x) is not int or x < 0 for x in table):
+        step, rank, world, nbytes = msg["step"], msg["rank"], msg["world_size"], msg["nbytes"]
+        table = msg["table"]
+        if len(table) != 2:
             raise StorageError(f"bad request 'staged': table must be [offset, length], got {table}")
         if table[0] + table[1] > nbytes:
             raise StorageError(f"bad request 'staged': table {table} lies past the shard's end")
@@ -187,19 +190,19 @@ class Service:
         h.wake.set()
         return {}
 
-    def _op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_abort(self, msg: AbortRequest, conn: int) -> dict[str, Any]:
         h = self.host
-        step, rank = _int(msg, "step"), _int(msg, "rank")
+        step, rank = msg["step"], msg["rank"]
         with h.lock:
             name = h.pending.pop((step, rank), None)
             h.pending_conn.pop((step, rank), None)
         h.pool.release(name or None)
         return {}
 
-    def _op_wait(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_wait(self, msg: WaitRequest, conn: int) -> dict[str, Any]:
         h = self.host
-        step = _int(msg, "step")
-        timeout = float(msg.get("timeout") or h.config.peer_timeout)
+        step = msg["step"]
+        timeout = float(msg["timeout"] or h.config.peer_timeout)
         outcome: dict[str, Any] = {}
 
         def settled() -> bool:
@@ -269,14 +272,16 @@ class Service:
                 )
             return rec
 
-    def _op_get(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_get(self, msg: GetRequest, conn: int) -> dict[str, Any]:
         """A shard: from this host's memory (checked), or fetched from the host holding it.
 
         A chunk that fails its checksum (or a truncated file) is repaired from its group by all
         daemons in the next round, and the read tried again.
         """
         h = self.host
-        rank = _int(msg, "rank")
+        if "rank" not in msg:
+            raise StorageError("bad request: request 'get' lacks 'rank'")
+        rank = msg["rank"]
         want = msg.get("step")
         meta_only = bool(msg.get("meta_only"))
         self.tier.await_restore(want)
@@ -303,7 +308,7 @@ class Service:
                 if not bad:
                     if meta_only:
                         return {"step": rec.step, "meta": h.table(rec, rank)}
-                    self.leases.take(shard.buffer, int(msg["_conn"]))
+                    self.leases.take(shard.buffer, conn)
                     return {
                         "step": rec.step,
                         "nbytes": shard.nbytes,
@@ -339,30 +344,30 @@ class Service:
             f"step {want} rank {rank}: chunks still fail their checksums after repair"
         )
 
-    def _op_release(self, msg: dict[str, Any]) -> dict[str, Any]:
-        path = Path(str(msg.get("path")))
+    def _op_release(self, msg: ReleaseRequest, conn: int) -> dict[str, Any]:
+        path = Path(msg["path"])
         if path.parent != self.host.dir / "tmp":
             raise StorageError(f"{path} is not a temporary file of this daemon")
         path.unlink(missing_ok=True)
         return {}
 
-    def _op_unlease(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_unlease(self, msg: UnleaseRequest, conn: int) -> dict[str, Any]:
         """The views of one get of each named buffer are gone (a name once per get; the buffer
         may be reused when every lease on it has ended)."""
-        for name in _field(msg, "buffers", list):
-            self.leases.end(str(name), int(msg["_conn"]))
+        for name in msg["buffers"]:
+            self.leases.end(name, conn)
         return {}
 
     # -- the catalog -------------------------------------------------------------------------------
 
-    def _op_steps(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_steps(self, msg: PlainRequest, conn: int) -> dict[str, Any]:
         disk = self.tier.steps()
         with self.host.lock:
             return {"steps": self.host.catalog.protected(), "disk": disk}
 
-    def _op_status(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_status(self, msg: StepRequest, conn: int) -> dict[str, Any]:
         h = self.host
-        step = _int(msg, "step")
+        step = msg["step"]
         disk = self.tier.steps()
         with h.lock:
             rec = h.catalog.steps.get(step)
@@ -395,9 +400,9 @@ class Service:
             "parity_bytes": 0,
         }
 
-    def _op_delete(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_delete(self, msg: StepRequest, conn: int) -> dict[str, Any]:
         h = self.host
-        step = _int(msg, "step")
+        step = msg["step"]
         with h.lock:
             if step not in h.catalog.steps:
                 raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
@@ -408,7 +413,7 @@ class Service:
         h.after_next_round()  # every host has removed its manifest: a restart agrees
         return {}
 
-    def _op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _op_info(self, msg: PlainRequest, conn: int) -> dict[str, Any]:
         """Counters for benchmarks and status: bytes held and moved, health, repairs."""
         snap: Snapshot = self.snapshot()
         return snap.to_json()

@@ -67,6 +67,26 @@ def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path
         sock = control.connect(shm_root / job / "host0" / "ctl.sock")
         reply = sock.request({"op": "hello", "job": "someone-else", "rank": 0})
         assert reply is not None and not reply["ok"] and "serves job" in reply["message"]
+        # frames that break the protocol: each refused by name, and the daemon serves on
+        for frame, says in (
+            ({"op": "alloc", "step": -1, "rank": 0, "world_size": 4, "nbytes": 1}, "step must"),
+            ({"op": "alloc", "step": 1, "rank": 0, "world_size": 0, "nbytes": 1}, ">= 1"),
+            ({"op": "get"}, "lacks 'rank'"),
+            ({"op": "unlease", "buffers": [3]}, "buffers must be"),
+            ({"op": "zap"}, "unknown request 'zap'"),
+            ([1, 2], "not a JSON object"),
+        ):
+            if isinstance(frame, dict):
+                reply = sock.request(frame)
+                assert reply is not None and not reply["ok"], (frame, reply)
+                assert reply["error"] == "StorageError" and says in reply["message"], reply
+            else:  # not an object at all: the daemon drops the connection, nothing else
+                sock.send(frame)  # type: ignore[arg-type]
+                assert sock.recv() is None
+                sock.close()
+                sock = control.connect(shm_root / job / "host0" / "ctl.sock")
+        reply = sock.request({"op": "steps"})
+        assert reply is not None and reply["ok"] and reply["steps"] == [1, 2]
         sock.close()
     finally:
         os.killpg(c.proc.pid, signal.SIGKILL)  # the sockets stay behind, stale
