@@ -14,9 +14,11 @@ Each rank puts only its own shard; a step becomes protected (visible to ``get``,
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -118,10 +120,12 @@ class Store:
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
         self._waiters: set[control.Connection] = set()  # connections waiting for protection
+        self._unprotected: set[SaveHandle] = set()  # staged, protection not known yet
         self._unleases: list[str] = []  # buffers whose views are all gone (appended by GC)
         self._last_put: SaveHandle | None = None
         self._copier: Any = None  # storage.gpu.DeviceCopier, made on the first CUDA put
         self._registry: Any = None
+        _LIVE.add(self)
         self.daemon_host: str = info["host"]
         self.hosts: list[str] = info["hosts"]
         self.k, self.m = int(info["k"]), int(info["m"])
@@ -163,10 +167,17 @@ class Store:
                     conn.close()
                 last = exc
             if time.monotonic() >= deadline:
+                live = _answering(self.socket_path.parent.parent)
                 raise DaemonUnavailableError(
                     f"no ecsnap daemon for job {self.job!r} on host {self.host!r} answered at "
-                    f"{self.socket_path} within {self.timeout:.0f}s ({last}); start it with "
-                    f"`mpiexec -n HOSTS ecsnap serve --job {self.job}`"
+                    f"{self.socket_path} within {self.timeout:.0f}s ({last}); "
+                    + (
+                        f"daemons of this job answer on host(s) {', '.join(live)}: pass host= "
+                        "or set ECSNAP_HOST to one of them (virtual hosts: the names given to "
+                        "--virtual-hosts)"
+                        if live
+                        else f"start it with `mpiexec -n HOSTS ecsnap serve --job {self.job}`"
+                    )
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -333,6 +344,15 @@ class Store:
             return
         handle.t_staged = time.perf_counter()
         handle.staged.set_result(handle.step)
+        # The wait for protection runs on a daemon thread of its own: a process that ends (a
+        # script that returns, or raises) does not wait for it; it says what it abandoned.
+        with self._lock:
+            self._unprotected.add(handle)
+        threading.Thread(
+            target=self._await_protection, args=(handle,), name="ecsnap-wait", daemon=True
+        ).start()
+
+    def _await_protection(self, handle: SaveHandle) -> None:
         try:
             conn = self._open()
             with self._lock:
@@ -346,10 +366,21 @@ class Store:
                     self._waiters.discard(conn)
                 conn.close()
         except BaseException as exc:
+            self._settled(handle)
             handle.protected.set_exception(exc)
             return
         handle.t_protected = time.perf_counter()
+        self._settled(handle)
         handle.protected.set_result(handle.step)
+
+    def _settled(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._unprotected.discard(handle)
+
+    def _abandoned(self) -> list[int]:
+        """Steps this Store staged whose protection it still waits for (at exit: abandoned)."""
+        with self._lock:
+            return sorted(h.step for h in self._unprotected if not h.protected.done())
 
     def get(self, step: int | None = None, *, rank: int | None = None, device: Any = None) -> Any:
         """The state dict ``rank`` (default: this rank) put at ``step`` (default: newest protected).
@@ -501,6 +532,25 @@ def _table(buffer: Any, reply: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
+_LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+@atexit.register
+def _say_what_was_abandoned() -> None:
+    """At exit, name the steps staged here whose protection nobody waited for (their wait ran
+    on a daemon thread, so the process did not hang on it)."""
+    for store in list(_LIVE):
+        steps = store._abandoned()
+        if steps:
+            print(
+                f"ecsnap: rank {store.rank} of job {store.job!r} ended with step(s) "
+                f"{', '.join(map(str, steps))} staged but not yet protected; their protection "
+                "was abandoned here (the storage job still protects a step once every rank has "
+                "put it)",
+                file=sys.stderr,
+            )
+
+
 def _to_device(obj: Any, device: Any) -> Any:
     import torch
 
@@ -529,9 +579,12 @@ def connect(
 
     Defaults: ``job`` from ``ECSNAP_JOB``; ``rank`` / ``world_size`` from ``RANK`` / ``WORLD_SIZE``
     (torchrun), ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` (Open MPI) or ``PMI_RANK`` / ``PMI_SIZE``
-    (MPICH); ``host`` from ``ECSNAP_HOST``, else the machine's hostname; ``root`` from
-    ``ECSNAP_ROOT``, else ``/dev/shm/ecsnap``. Waits up to ``timeout`` seconds for the daemon,
-    then raises :class:`DaemonUnavailableError`.
+    (MPICH); ``host`` from ``ECSNAP_HOST``, else the machine's hostname, else, where the daemons
+    run ``--virtual-hosts`` on this machine, virtual host ``rank % H`` (in the order they name
+    them); ``root`` from ``ECSNAP_ROOT``, else ``/dev/shm/ecsnap``. Waits up to ``timeout``
+    seconds for the daemon, then raises :class:`DaemonUnavailableError` naming the hosts whose
+    daemons do answer; a job that never ran under ``root`` fails within 5 s, naming the jobs
+    that did.
 
     >>> with connect("myjob", rank=0, world_size=1) as store:   # doctest: +SKIP
     ...     store.put(0, {"w": torch.ones(3)}).wait()
@@ -548,6 +601,68 @@ def connect(
         raise StorageError("rank and world_size unknown: pass them or set RANK and WORLD_SIZE")
     if not 0 <= rank < world_size:
         raise StorageError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
-    host = host or os.environ.get("ECSNAP_HOST") or socket.gethostname().split(".")[0]
     root_path = Path(root or os.environ.get("ECSNAP_ROOT") or DEFAULT_ROOT)
-    return Store(job, rank=rank, world_size=world_size, host=host, root=root_path, timeout=timeout)
+    start = time.monotonic()
+    host = _host_of(job, root_path, rank, host or os.environ.get("ECSNAP_HOST"), timeout)
+    left = max(timeout - (time.monotonic() - start), 0.1)
+    return Store(job, rank=rank, world_size=world_size, host=host, root=root_path, timeout=left)
+
+
+# a job directory appears within a second or two of the daemons' launch; past this, a job that
+# has no directory never ran here (a typo, or another --root)
+_NEW_JOB_GRACE = 5.0
+
+
+def _host_of(job: str, root: Path, rank: int, given: str | None, timeout: float) -> str:
+    """The host whose daemon rank ``rank`` talks to: ``given`` (``host=`` or ``ECSNAP_HOST``),
+    else this machine's hostname, else, on a machine whose daemons run ``--virtual-hosts``,
+    virtual host ``rank % H`` in the order the daemons name them. Waits (within ``timeout``)
+    for the job's directory; fails fast, naming the jobs under ``root``, when none appears."""
+    if given:
+        check_name("host", given)
+    machine = socket.gethostname().split(".")[0]
+    job_dir = root / job
+    deadline = time.monotonic() + timeout
+    grace = time.monotonic() + min(timeout, _NEW_JOB_GRACE)
+    while True:
+        if job_dir.is_dir():
+            if given:
+                return given
+            if (job_dir / machine).is_dir():
+                return machine
+            try:
+                names = json.loads((job_dir / "virtual-hosts.json").read_text())["hosts"]
+                return check_name("host", str(names[rank % len(names)]))
+            except (OSError, ValueError, KeyError, IndexError, TypeError):
+                pass  # not a virtual-host job, or its daemons are still starting
+        elif time.monotonic() >= grace:
+            jobs = _jobs(root)
+            raise DaemonUnavailableError(
+                f"no ecsnap daemon of job {job!r} has run under {root} (no {job_dir}); "
+                + (f"jobs there: {', '.join(jobs)} (a typo?); " if jobs else "no job ran there; ")
+                + f"start it with `mpiexec -n HOSTS ecsnap serve --job {job}`, or point "
+                "ECSNAP_ROOT (root=) at the daemons' --root"
+            )
+        if time.monotonic() >= deadline:
+            return given or machine  # the Store says what it finds there
+        time.sleep(0.05)
+
+
+def _jobs(root: Path) -> list[str]:
+    """Names of the job directories under ``root``."""
+    try:
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*/health.json")))
+    except OSError:
+        return []
+
+
+def _answering(job_dir: Path) -> list[str]:
+    """Hosts under ``job_dir`` whose daemon accepts a connection now."""
+    live = []
+    for sock in sorted(job_dir.glob("*/ctl.sock")):
+        try:
+            control.connect(sock, timeout=0.2).close()
+        except OSError:
+            continue
+        live.append(sock.parent.name)
+    return live

@@ -25,6 +25,7 @@ daemon aborts the job. State stays in the host directory.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,14 @@ def _unlink_mpi_segments() -> None:
                 os.unlink(path)
             except OSError:
                 pass  # another local rank was first
+
+
+def _write_atomic(path: Path, body: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(body, f)
+    os.replace(tmp, path)
 
 
 class Daemon:
@@ -108,6 +117,9 @@ class Daemon:
                 "daemon per host, or --virtual-hosts to test on one machine"
             )
         self._prepare_dirs()
+        if h.config.virtual_hosts is not None and h.rank == 0:
+            # trainers on this machine map rank r to virtual host r % H (storage.client)
+            _write_atomic(h.dir.parent / "virtual-hosts.json", {"hosts": hosts_by_rank})
         h.write_health()
         adoption.adopt(h, self.repairer, self.tier, hosts_by_rank)
         self.server = Server(h.dir / "ctl.sock", self.service.handle, on_close=self.service.closed)
