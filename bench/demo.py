@@ -204,7 +204,8 @@ class Demo:
                         if put is not None
                         else ""
                     )
-                    msg = f"{label}step {step + 1}/{self.a.steps} loss {ev['loss_f']:.4f}{snap}"
+                    last = self.a.steps - 1
+                    msg = f"{label}step {step} of 0-{last}: loss {ev['loss_f']:.4f}{snap}"
                     print(
                         ("\r\033[K" + msg) if self.tty else msg,
                         end="" if self.tty else "\n",
@@ -273,7 +274,7 @@ class Demo:
         a = self.a
         self.say(
             f"ecsnap demo: {a.hosts} virtual hosts, {self.world} ranks, model "
-            f"{a.model_size}, {a.steps} steps, kill {a.kill} at step {a.fail_at}"
+            f"{a.model_size}, steps 0-{a.steps - 1}, kill {a.kill} at step {a.fail_at}"
         )
         ref = self.reference()
         self.start_daemons()
@@ -302,6 +303,11 @@ class Demo:
         identical = not differ and len(losses) == a.steps
         self.summary(first, second, ref, start, identical, differ)
         self.chart(first, second, ref, start)
+        if self.tty:
+            try:
+                input("the daemons stay up for a look at their /metrics; Enter stops them ")
+            except EOFError:
+                pass
         result = {
             "identical": identical,
             "resumed_at": start,
@@ -343,10 +349,14 @@ class Demo:
             ),
             ("failure", f"--kill {self.a.kill} at step {killed}" if killed is not None else "none"),
             (
-                "resumed from",
+                "resumed",
                 "-"
                 if start is None
-                else f"step {start} (newest protected: {start - 1 if start else 'none'})",
+                else (
+                    f"at step {start}, from the snapshot of step {start - 1} (the newest protected)"
+                    if start
+                    else "at step 0: no snapshot could be read"
+                ),
             ),
             ("steps lost", str(lost)),
             ("snapshot blocking per step", f"median {med(puts) * 1e3:.1f} ms"),
@@ -359,8 +369,9 @@ class Demo:
                 f"of snapshots ({parity / max(data, 1):.2f}x); 2-way replication: "
                 f"{data / 1e6:.1f} MB (1.00x)",
             ),
-            ("metrics", "; ".join(self.endpoints)),
         ]
+        if self.tty:  # the daemons stay up until Enter (see run): the addresses still answer
+            lines.append(("metrics", "; ".join(self.endpoints)))
         width = max(len(k) for k, _ in lines)
         print("\n" + "-" * 72)
         for k, v in lines:

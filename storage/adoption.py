@@ -87,6 +87,15 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     if known:
         h.missing_slots = {s for s, e in by_slot.items() if e["claim"] is None}
     adopted, lost_groups = _agree(h, by_slot, known)
+    if known:
+        h.log(
+            f"adoption: {len(valid)} manifest(s) here; slot {h.slot} of {h.nslots} "
+            + ("(its files')" if claim is not None else "(a fresh host: the slot nobody held)")
+            + f"; {len(adopted)} step(s) agreed, {len(known) - len(adopted)} dropped as "
+            f"unfinished ({(time.monotonic() - t0) * 1e3:.0f} ms)"
+        )
+    else:
+        h.log(f"adoption: nothing to adopt (a new job); slot {h.slot} of {h.nslots}")
     # the group's manifests: each step from its first host holding a valid copy
     mine = {
         str(s): valid[s]
@@ -108,11 +117,30 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     h.stats["adopted_steps"] = len(adopted)
     # every host checks its own chunks; the erasures of the group are the group's to plan
     t1 = time.monotonic()
+    counts = (h.stats["missing_chunks"], h.stats["checksum_failures"])
     checked = {
         str(step): repairer.verify(rec).to_json()
         for step, rec in h.catalog.steps.items()
         if step in manifests
     }
+    if checked:
+        chunks = sum(
+            len(h.catalog.steps[int(st)].blobs[h.slot].chunks)
+            + len(h.my_layout(h.catalog.steps[int(st)])[0].parity_stripes[h.group.position(h.slot)])
+            for st in checked
+        )
+        held = sum(
+            shard.nbytes
+            for st in checked
+            for shard in h.catalog.steps[int(st)].shards.values()
+            if shard.slot == h.slot
+        )
+        h.log(
+            f"adoption: checked {chunks} chunk(s) of {len(checked)} step(s) here "
+            f"({held / 1e6:.1f} MB of shards) in {(time.monotonic() - t1) * 1e3:.0f} ms: "
+            f"{int(h.stats['missing_chunks'] - counts[0])} missing, "
+            f"{int(h.stats['checksum_failures'] - counts[1])} corrupted"
+        )
     erasures: dict[int, dict[int, Erasures]] = {}
     for pos, part in enumerate(h.gl.allgather_json(checked, "erasures")):
         for step, e in part.items():
@@ -157,8 +185,19 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     for i, step in enumerate(todo):
         if i:
             repairer.deferred.append((step, erasures[step]))
-        else:
-            repairer.repair(h.catalog.steps[step], erasures[step])
+            continue
+        here = erasures[step].get(h.slot, Erasures())
+        h.log(
+            f"adoption: rebuilding step {step} before serving: the group lost "
+            f"{sum(len(e.data) + len(e.parity) for e in erasures[step].values())} chunk(s), "
+            f"{len(here.data) + len(here.parity)} of them here"
+        )
+        tr = time.monotonic()
+        repairer.repair(h.catalog.steps[step], erasures[step])
+        h.log(
+            f"adoption: rebuilt step {step} in {time.monotonic() - tr:.2f} s; "
+            f"{len(todo) - 1} older step(s) left to rebuild while serving"
+        )
     h.stats["startup_rebuild_seconds"] = time.monotonic() - t2
     # files of steps that never became protected (the job died mid-put) are not state
     steps = h.catalog.steps

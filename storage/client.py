@@ -417,11 +417,12 @@ class Store:
         return _state.unflatten_views(table["skeleton"], table["leaves"], mm)
 
     def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:
-        """(step, structure) of what ``rank`` put at ``step``, touching none of its bytes.
+        """(step, structure) of what ``rank`` put at ``step``, touching none of its tensors.
 
         The structure is the state dict as put, with a :class:`storage.state.Leaf` (dtype,
-        shape, size) in place of each tensor or array and every other value as it was. Any
-        daemon answers from its catalog, so this costs one local request whatever the size.
+        shape, size) in place of each tensor or array and every other value as it was. It is
+        read from the shard's tensor table: from this host's memory, or (a rank held elsewhere)
+        fetched alone from the host that holds it, some kB whatever the tensors' size.
         """
         self._check_open()
         rank = self.rank if rank is None else rank

@@ -35,6 +35,7 @@ class ServeConfig:
     root: Path = Path(DEFAULT_ROOT)
     k: int | None = None
     m: int | None = None
+    shrink_last_group: bool = False  # with --k/--m: a last group of fewer than k+m hosts
     chunk_bytes: int = 1 << 20
     keep: int = 2
     memory_budget: int | None = None

@@ -9,8 +9,9 @@ The one-line change for a DCP user::
 Each rank's write items become one ``put`` of that rank: ``{"dcp": [item descriptors], "t":
 {key: tensor}}``, so a DCP checkpoint is an ordinary ecsnap step (erasure-coded, rebuilt after
 host loss, listed by ``ecsnap status``). There is no separate metadata file: the reader rebuilds
-DCP's :class:`Metadata` from every rank's descriptors, which each daemon's catalog holds, so
-loading with another number of ranks (DCP's planner reshards) reads only the chunks it needs.
+DCP's :class:`Metadata` from every rank's descriptors (``store.structure`` reads each rank's
+tensor table, not its tensors), so loading with another number of ranks (DCP's planner
+reshards) reads only the chunks it needs.
 
 ``async_save``: the writer is its own :class:`AsyncStager`. ``stage`` puts the state dict's
 tensors (a DTensor's local shard, a ShardedTensor's local shards) straight into daemon memory,

@@ -69,7 +69,8 @@ STATS = (
     "encode_seconds",
     "decode_bytes",
     "steps_protected",
-    "checksum_failures",
+    "checksum_failures",  # chunks or manifests whose bytes were there but wrong
+    "missing_chunks",  # chunks whose file was gone or short (a lost or replaced host)
     "rebuilds",
     "rebuild_seconds",
     "startup_rebuild_seconds",  # the part done before serving: the newest step
@@ -106,9 +107,11 @@ class Host:
             self.name = f"host{self.rank}"
         if config.k is None or config.m is None:
             self.k, self.m = default_km(self.nslots)
+            shrink = True  # the layout ecsnap picks may shrink its last group
         else:
             self.k, self.m = config.k, config.m
-        self.groups: list[Group] = make_groups(self.nslots, self.k, self.m)
+            shrink = config.shrink_last_group
+        self.groups: list[Group] = make_groups(self.nslots, self.k, self.m, shrink)
         self.chunk_bytes = config.chunk_bytes
         self.slot = self.rank  # until adoption says otherwise
         self.rank_of: list[int] = list(range(self.nslots))  # slot -> MPI rank
@@ -177,7 +180,7 @@ class Host:
     def set_layout(self, k: int, m: int) -> None:
         """Adopt the (k, m) the host's files were written with (before any step is known)."""
         self.k, self.m = k, m
-        self.groups = make_groups(self.nslots, k, m)
+        self.groups = make_groups(self.nslots, k, m, shrink=True)  # as its files were
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, self.config.keep)
 
     def log(self, msg: str) -> None:

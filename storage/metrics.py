@@ -109,8 +109,13 @@ class SnapshotCollector(Collector):
         )
         yield counter(
             "ecsnap_checksum_failures",
-            "Chunks or manifests that failed a checksum",
+            "Chunks or manifests whose bytes were there but failed their checksum (corruption)",
             stats["checksum_failures"],
+        )
+        yield counter(
+            "ecsnap_missing_chunks",
+            "Chunks whose file was gone or short (a lost or replaced host)",
+            stats["missing_chunks"],
         )
         yield gauge(
             "ecsnap_degraded_stripes",

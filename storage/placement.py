@@ -49,8 +49,13 @@ def default_km(hosts: int) -> tuple[int, int]:
     return hosts - 1, 1
 
 
-def make_groups(hosts: int, k: int, m: int) -> list[Group]:
-    """Split slots 0..hosts-1 into groups; raise :class:`ConfigError` if they cannot form."""
+def make_groups(hosts: int, k: int, m: int, shrink: bool = False) -> list[Group]:
+    """Split slots 0..hosts-1 into groups of k+m; raise :class:`ConfigError` if they cannot form.
+
+    A last group of fewer than k+m hosts (its k shrunk, so more parity per byte than m/k) is
+    formed only with ``shrink`` (``--shrink-last-group``, and the layout ``default_km`` picks);
+    otherwise it is an error naming the smallest host count that gives RS(k, m) everywhere.
+    """
     if k < 1 or m < 1:
         raise ConfigError(f"k and m must be >= 1, got k={k}, m={m}")
     if k + m > 255:
@@ -66,6 +71,17 @@ def make_groups(hosts: int, k: int, m: int) -> list[Group]:
                 f"{hosts} hosts in groups of k+m={n} leave a last group of {len(slots)} host(s), "
                 f"which cannot hold m={m} parity chunks plus data; choose k and m so that "
                 f"hosts % (k+m) is 0 or more than m (for example --k {hosts - m} --m {m})"
+            )
+        if len(slots) < n and not shrink:
+            short = len(slots) - m
+            fits = [f"--k {d - m} --m {m}" for d in range(m + 1, hosts + 1) if hosts % d == 0]
+            raise ConfigError(
+                f"RS({k},{m}) needs groups of k+m={n} hosts, and {hosts} hosts leave a last group "
+                f"of {len(slots)}, which would run RS({short},{m}) (parity {m / short:.2f}x of its "
+                f"data instead of {m / k:.2f}x). Run {-(-hosts // n) * n} hosts (a multiple of "
+                f"{n}), choose k and m whose sum divides {hosts} ("
+                + (", ".join(fits[-2:]) if fits else f"--k {hosts - m} --m {m}")
+                + "), or pass --shrink-last-group to run it so"
             )
         groups.append(Group(len(groups), slots, len(slots) - m, m))
     return groups

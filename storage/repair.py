@@ -55,7 +55,8 @@ class Repairer:
     def verify(self, rec: StepRec) -> Erasures:
         """Check this host's chunks of ``rec`` against the manifest's checksums.
 
-        Missing or short files and checksum mismatches are erasures. Adopts files into the pool.
+        Missing or short files (``missing_chunks``) and checksum mismatches
+        (``checksum_failures``) are erasures, counted apart. Adopts files into the pool.
         """
         h = self.host
         e = Erasures()
@@ -69,23 +70,26 @@ class Repairer:
             name = rec.parity.get(h.slot)
             buf = h.file(name, n * cb) if name else None
             for i in range(n):
-                if (
-                    buf is None
-                    or i >= len(parity_crc)
-                    or checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]
-                ):
+                if buf is None or i >= len(parity_crc):
+                    h.stats["missing_chunks"] += 1
                     e.parity.add(i)
-        if e:
-            h.stats["checksum_failures"] += len(e.data) + len(e.parity)
+                elif checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]:
+                    h.stats["checksum_failures"] += 1
+                    e.parity.add(i)
         return e
 
     def lost_chunks(self, rec: StepRec, rank: int) -> list[int]:
-        """Blob chunk indexes of ``rank``'s shard here that are missing or fail their checksum."""
+        """Blob chunk indexes of ``rank``'s shard here that are missing or fail their checksum
+        (counted as ``missing_chunks`` and ``checksum_failures``)."""
         h = self.host
         buf = h.shard_buffer(rec, rank)
         if buf is None:
-            return [c for c, ref in enumerate(rec.blobs[h.slot].chunks) if ref.rank == rank]
-        return self.bad_chunks(rec, rank, buf.file.array)
+            lost = [c for c, ref in enumerate(rec.blobs[h.slot].chunks) if ref.rank == rank]
+            h.stats["missing_chunks"] += len(lost)
+            return lost
+        bad = self.bad_chunks(rec, rank, buf.file.array)
+        h.stats["checksum_failures"] += len(bad)
+        return bad
 
     @staticmethod
     def bad_chunks(rec: StepRec, rank: int, data: np.ndarray[Any, Any]) -> list[int]:

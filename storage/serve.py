@@ -38,42 +38,98 @@ def _parse_size(text: str) -> int:
 def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     p = argparse.ArgumentParser(
         prog="ecsnap serve",
-        description="Run one ecsnap daemon per MPI rank: mpiexec -n HOSTS ecsnap serve --job NAME",
+        description=(
+            "Run one ecsnap daemon per MPI rank, one rank per host: "
+            "mpiexec -n HOSTS ecsnap serve --job NAME. Each daemon keeps its host's shards in "
+            "shared memory under ROOT/JOB/HOST/ and protects them with Reed-Solomon parity on "
+            "the other hosts of its group. SIGTERM or SIGINT stops them all; the files stay."
+        ),
+    )
+    env_job = os.environ.get("ECSNAP_JOB")
+    p.add_argument(
+        "--job",
+        default=env_job,
+        help="the training run's name, the same for the trainers (default: $ECSNAP_JOB"
+        + (f", now {env_job!r})" if env_job else ", unset)"),
     )
     p.add_argument(
-        "--job", default=os.environ.get("ECSNAP_JOB"), required="ECSNAP_JOB" not in os.environ
+        "--root",
+        default=os.environ.get("ECSNAP_ROOT", DEFAULT_ROOT),
+        help="where state lives, ROOT/JOB/HOST/ (default: $ECSNAP_ROOT, else "
+        + DEFAULT_ROOT
+        + "); "
+        "keep it in RAM (/dev/shm)",
     )
-    p.add_argument("--root", default=os.environ.get("ECSNAP_ROOT", DEFAULT_ROOT))
-    p.add_argument("--k", type=int)
-    p.add_argument("--m", type=int)
+    p.add_argument(
+        "--k", type=int, help="data chunks per stripe (with --m; default: from the host count)"
+    )
+    p.add_argument("--m", type=int, help="parity chunks per stripe: hosts a group may lose")
+    p.add_argument(
+        "--shrink-last-group",
+        action="store_true",
+        help="with --k/--m: let a last group of fewer than k+m hosts run with a smaller k "
+        "(more parity per byte); without it that layout is refused",
+    )
     p.add_argument(
         "--virtual-hosts",
         nargs="?",
         const="",
         default=None,
-        help="rank i acts as host<i> (or the i-th of a comma-separated list)",
+        metavar="H0,H1,...",
+        help="a whole cluster on one machine: rank i acts as host<i> (or the i-th name given); "
+        "trainers here then talk to virtual host RANK %% HOSTS",
     )
-    p.add_argument("--chunk-bytes", type=_parse_size, default=1 << 20)
-    p.add_argument("--keep", type=int, default=2)
-    p.add_argument("--memory-budget", type=_parse_size, default=None)
+    p.add_argument(
+        "--chunk-bytes",
+        type=_parse_size,
+        default=1 << 20,
+        help="the largest chunk (default 1M); a small state is cut finer, so that its parity "
+        "stays near m/k of it",
+    )
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        help="protected steps kept (default 2; the newest always stays while one is written)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=_parse_size,
+        default=None,
+        help="shared memory per host (e.g. 40G); a put over it fails with CapacityError and "
+        "nothing stored is touched (default: what /dev/shm holds)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
-        help="serve /metrics here (virtual host i: PORT+i; 0: a free port)",
+        help="serve Prometheus /metrics here (virtual host i: PORT+i; 0: a free port)",
     )
-    p.add_argument("--metrics-addr", default="0.0.0.0")
-    p.add_argument("--peer-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--metrics-addr", default="0.0.0.0", help="address /metrics listens on (default all)"
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=120.0,
+        help="seconds any wait on a peer daemon may take before the job is aborted (exit 3; "
+        "default 120)",
+    )
     p.add_argument(
         "--persist-dir",
         default=None,
-        help="persistent tier: protected steps also go to DIR/<job>/step-<step>/ (safetensors)",
+        help="the persistent tier, a directory every host sees: protected steps also go to "
+        "DIR/JOB/step-STEP/ (safetensors + manifest), written in the background",
     )
     p.add_argument(
-        "--persist-every", type=int, default=0, help="persist steps that are multiples of N"
+        "--persist-every", type=int, default=0, help="persist the steps that are multiples of N"
     )
-    p.add_argument("--persist-keep", type=int, default=2, help="persisted steps kept on disk")
+    p.add_argument(
+        "--persist-keep", type=int, default=2, help="persisted steps kept on disk (default 2)"
+    )
     a = p.parse_args(list(argv) if argv is not None else None)
+    if not a.job:
+        p.error("give the job's name: --job NAME, or set ECSNAP_JOB")
     vh: tuple[str, ...] | None = None
     if a.virtual_hosts is not None:
         vh = tuple(h for h in a.virtual_hosts.split(",") if h) if a.virtual_hosts else ()
@@ -82,6 +138,7 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         root=Path(a.root),
         k=a.k,
         m=a.m,
+        shrink_last_group=a.shrink_last_group,
         chunk_bytes=a.chunk_bytes,
         keep=a.keep,
         memory_budget=a.memory_budget,

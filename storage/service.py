@@ -318,10 +318,9 @@ class Service:
                         "buffer": shard.buffer,
                         "temp": False,
                     }
-                h.stats["checksum_failures"] += len(bad)
                 h.log(
-                    f"step {rec.step} rank {rank}: {len(bad)} chunk(s) fail their "
-                    "checksum here; repairing from the group"
+                    f"step {rec.step} rank {rank}: {len(bad)} chunk(s) missing or failing "
+                    "their checksum here; repairing from the group"
                 )
                 self.repairer.request(rec.step, h.slot, bad)
                 continue

@@ -1,7 +1,10 @@
 """``ecsnap status --job JOB [--root DIR] [--json]``: the job at a glance.
 
 Asks each host's daemon when it runs; when it does not, reads the host directory alone (health
-file and manifests), so it works while the storage job is down.
+file and manifests), so it works while the storage job is down. Every slot of the job's layout
+is listed, a slot whose host directory is gone as ``missing`` (a lost host, until a replacement
+takes the slot). Many steps are shown as a count, a range and the newest few; ``--json`` gives
+everything.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from storage.config import DEFAULT_ROOT, check_name
 from storage.errors import ConfigError
 from transport import control
 
-__all__ = ["gather", "main"]
+__all__ = ["gather", "main", "render", "steps_text"]
 
 
 def _from_daemon(host_dir: Path) -> dict[str, Any] | None:
@@ -46,6 +49,8 @@ def _from_files(host_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"host": host_dir.name, "running": False}
     try:
         health = json.loads((host_dir / "health.json").read_text())
+        if not isinstance(health, dict):
+            health = {}
     except (OSError, ValueError):
         health = {}
     out["health"] = health.get("health", "unknown")
@@ -54,31 +59,55 @@ def _from_files(host_dir: Path) -> dict[str, Any]:
     out["protected"] = sorted(valid)
     out["bad_manifests"] = bad
     out["lost"] = {str(s): {} for s in health.get("lost_steps", [])}
-    data = parity = 0
-    for sub, kind in (("data", "data"), ("parity", "parity")):
+    sizes = {}
+    for sub in ("data", "parity"):
         d = host_dir / sub
-        total = sum(p.stat().st_size for p in d.iterdir()) if d.is_dir() else 0
-        if kind == "data":
-            data = total
-        else:
-            parity = total
-    out["pool_bytes"] = data + parity
-    out["data_bytes"], out["parity_bytes"] = data, parity
+        sizes[sub] = sum(p.stat().st_size for p in d.iterdir()) if d.is_dir() else 0
+    out["data_bytes"], out["parity_bytes"] = sizes["data"], sizes["parity"]
+    out["pool_bytes"] = sizes["data"] + sizes["parity"]
     if valid:
         m = valid[max(valid)]
         out["hosts"] = m["hosts"]
+        g = m["groups"][m["group"]]
+        out["k"], out["m"] = g["k"], g["m"]
+    elif isinstance(health.get("hosts"), list):
+        out["hosts"] = health["hosts"]
     return out
 
 
 def gather(job: str, root: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """One record per host directory of ``job``: from its daemon if running, else its files."""
+    """One record per slot of ``job``'s layout (from its daemon if running, else its files; a
+    slot with no host directory is ``{"host", "slot", "missing": True}``), then any host
+    directory the layout does not name."""
     job_dir = Path(root) / check_name("job", job)
     if not job_dir.is_dir():
-        raise ConfigError(f"no job {job!r} under {root} (no directory {job_dir})")
-    hosts = []
-    for host_dir in sorted(p for p in job_dir.iterdir() if p.is_dir()):
-        hosts.append(_from_daemon(host_dir) or _from_files(host_dir))
-    return hosts
+        jobs = sorted(p.name for p in Path(root).iterdir()) if Path(root).is_dir() else []
+        there = f"; jobs there: {', '.join(jobs)}" if jobs else ""
+        raise ConfigError(f"no job {job!r} under {root} (no directory {job_dir}){there}")
+    found: dict[str, dict[str, Any]] = {
+        p.name: (_from_daemon(p) or _from_files(p)) for p in sorted(job_dir.iterdir()) if p.is_dir()
+    }
+    layout: list[str] = []
+    for rec in sorted(found.values(), key=lambda r: not r.get("running")):
+        if rec.get("hosts"):
+            layout = list(rec["hosts"])
+            break
+    out = []
+    for slot, name in enumerate(layout):
+        missing = {"host": name, "slot": slot, "missing": True, "running": False}
+        out.append(found.pop(name, missing))
+    out += found.values()  # not in the layout (a host of no slot yet)
+    return out
+
+
+def steps_text(steps: list[int], newest: int = 3) -> str:
+    """A list of steps for one cell: all of a few, else the count, the range and the newest."""
+    if not steps:
+        return "none"
+    if len(steps) <= newest + 1:
+        return ",".join(map(str, steps))
+    tail = ",".join(map(str, steps[-newest:]))
+    return f"{len(steps)} ({steps[0]}-{steps[-1]}; newest {tail})"
 
 
 def _gb(n: Any) -> str:
@@ -87,8 +116,8 @@ def _gb(n: Any) -> str:
 
 def render(job: str, hosts: list[dict[str, Any]]) -> str:
     header = [
-        "host",
         "slot",
+        "host",
         "daemon",
         "health",
         "protected steps (memory)",
@@ -96,53 +125,88 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
         "parity GB",
         "shm GB / budget",
         "degraded",
+        "missing chunks",
         "checksum fails",
         "last error",
     ]
     rows = []
+    notes = []
     for h in hosts:
+        if h.get("missing"):
+            rows.append([str(h["slot"]), h["host"], "-", "MISSING", "-", *["-"] * 7])
+            notes.append(
+                f"slot {h['slot']} ({h['host']}): no host directory; relaunch with a "
+                "replacement host (it takes the free slot and is rebuilt from its group)"
+            )
+            continue
         stats = h.get("stats", {})
         budget = h.get("memory_budget")
         rows.append(
             [
-                h["host"],
                 str(h.get("slot", "-")),
+                h["host"],
                 "up" if h["running"] else "down",
                 str(h.get("health", "-")),
-                ",".join(map(str, h.get("protected", []))) or "none",
+                steps_text(h.get("protected", [])),
                 _gb(h.get("data_bytes")),
                 _gb(h.get("parity_bytes")),
                 f"{_gb(h.get('pool_bytes'))} / {_gb(budget) if budget else 'none'}",
                 str(h.get("degraded_stripes", "-")),
-                str(int(stats.get("checksum_failures", 0))),
+                str(int(stats.get("missing_chunks", 0))) if stats else "-",
+                str(int(stats.get("checksum_failures", 0))) if stats else "-",
                 (h.get("last_error") or "")[:60],
             ]
         )
+        k, m = h.get("k"), h.get("m")
+        data, parity = h.get("data_bytes") or 0, h.get("parity_bytes") or 0
+        if k and m and data and parity / data > 1.05 * m / k:
+            notes.append(
+                f"{h['host']}: parity is {parity / data:.2f}x its data, more than m/k = "
+                f"{m / k:.2f}: its shards are small against the chunk size (whole chunks of "
+                "parity per stripe); a smaller --chunk-bytes brings it closer"
+            )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [f"job {job}: {len(hosts)} host(s)"]
+    missing = sum(1 for h in hosts if h.get("missing"))
+    lines = [f"job {job}: {len(hosts)} slot(s)" + (f", {missing} MISSING" if missing else "")]
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     lost = sorted({s for h in hosts for s in h.get("lost", {})}, key=int)
     if lost:
-        lines.append(f"lost steps (more than m chunks of a stripe gone): {', '.join(lost)}")
+        lines.append(
+            f"lost steps (more than m chunks of a stripe gone): {steps_text(list(map(int, lost)))}"
+        )
     latest = [int(h["latest"]) for h in hosts if h.get("latest") is not None]
     if latest:
         lines.append(f"newest protected step: {max(latest)}")
     disk = sorted({int(x) for h in hosts for x in h.get("persisted") or []})
     where = next((h["persist_dir"] for h in hosts if h.get("persist_dir")), None)
     if where:
-        lines.append(f"persistent tier {where}: steps {', '.join(map(str, disk)) or 'none yet'}")
+        lines.append(f"persistent tier {where}: steps {steps_text(disk)}")
+    lines += notes
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ecsnap status", description=__doc__)
-    p.add_argument(
-        "--job", default=os.environ.get("ECSNAP_JOB"), required="ECSNAP_JOB" not in os.environ
+    p = argparse.ArgumentParser(
+        prog="ecsnap status",
+        description=(
+            "The job at a glance: every slot of its layout, its host, whether its daemon runs, "
+            "health, protected steps, memory held, degraded stripes and the last error. Asks "
+            "each running daemon; reads the host directories when the daemons are down."
+        ),
     )
-    p.add_argument("--root", default=os.environ.get("ECSNAP_ROOT", DEFAULT_ROOT))
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--job", default=os.environ.get("ECSNAP_JOB"), help="the job (default: $ECSNAP_JOB)"
+    )
+    p.add_argument(
+        "--root",
+        default=os.environ.get("ECSNAP_ROOT", DEFAULT_ROOT),
+        help=f"the daemons' --root (default: $ECSNAP_ROOT, else {DEFAULT_ROOT})",
+    )
+    p.add_argument("--json", action="store_true", help="everything, machine-readable")
     a = p.parse_args(argv)
+    if not a.job:
+        p.error("give the job's name: --job NAME, or set ECSNAP_JOB")
     try:
         hosts = gather(a.job, a.root)
     except ConfigError as exc:

@@ -38,9 +38,13 @@ def test_demo_resumes_bit_identically(tmp_path: Path, kill: str) -> None:
     result = json.loads((tmp_path / "demo-result.json").read_text())
     assert result["identical"] and result["killed_at"] == 4, result
     assert "every loss bit-identical to the uninterrupted run" in out.stdout
+    # steps counted one way (as stored, from 0), and no address printed that is dead by then
+    assert "step 7 of 0-7" in out.stdout and "step 8" not in out.stdout, out.stdout
+    assert "http://" not in out.stdout
     if kill == "host":
         # the failure strikes once step 4 is protected: the resume starts right after it
         assert result["resumed_at"] == 5 and result["rebuild_s"] > 0
+        assert "at step 5, from the snapshot of step 4" in out.stdout, out.stdout
     else:  # beyond m=1: the clear error, then a restart from scratch, said plainly
         assert "cannot be rebuilt" in out.stdout
         assert result["resumed_at"] == 0

@@ -33,6 +33,17 @@ def scrape(root: Path, job: str, host: str) -> dict[tuple[str, tuple[tuple[str, 
     return out
 
 
+def _status_text(root: Path, job: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "storage.cli", "status", "--job", job, "--root", str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
 def status(root: Path, job: str) -> dict:
     out = subprocess.run(
         [
@@ -94,6 +105,7 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         assert list(r["errors"]) == ["99/3"]
         m = scrape(shm_root, c.job, "host3")
         assert m[("ecsnap_checksum_failures_total", ())] >= 1
+        assert m[("ecsnap_missing_chunks_total", ())] == 0  # corrupted, not missing
         assert m[("ecsnap_rebuilds_total", ())] >= 1
         assert m[("ecsnap_errors_total", (("kind", "StepNotFoundError"),))] >= 1
         st = status(shm_root, c.job)
@@ -103,8 +115,16 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         c.kill()
         shutil.rmtree(shm_root / c.job / "host1")
         down = status(shm_root, c.job)
-        assert [h["host"] for h in down["hosts"]] == ["host0", "host2", "host3"]
-        assert all(not h["running"] and h["protected"] == [1, 2] for h in down["hosts"])
+        # every slot of the layout, the lost one named as missing
+        assert [h["host"] for h in down["hosts"]] == ["host0", "host1", "host2", "host3"]
+        assert [h.get("missing", False) for h in down["hosts"]] == [False, True, False, False]
+        assert all(
+            not h["running"] and h["protected"] == [1, 2]
+            for h in down["hosts"]
+            if not h.get("missing")
+        )
+        text = _status_text(shm_root, c.job)
+        assert "1 MISSING" in text and "no host directory" in text, text
         c = Cluster(shm_root, hosts=4, k=3, m=1, extra=args, job=c.job)
         # the newest step is rebuilt before the daemons serve, the older one right after
         deadline = time.monotonic() + 60
@@ -114,27 +134,15 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
                 break
             time.sleep(0.1)
         assert m[("ecsnap_rebuilt_chunks_total", ())] > 0
+        # its chunks were missing, not corrupted: a replacement is no checksum failure
+        assert m[("ecsnap_missing_chunks_total", ())] > 0
+        assert m[("ecsnap_checksum_failures_total", ())] == 0
         assert m[("ecsnap_rebuilds_total", ())] == 2  # steps 1 and 2
         assert m[("ecsnap_rebuild_seconds_count", ())] == 2
         assert m[("ecsnap_degraded_stripes", ())] == 0
         assert m[("ecsnap_health", (("state", "healthy"),))] == 1
-        text = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "storage.cli",
-                "status",
-                "--job",
-                c.job,
-                "--root",
-                str(shm_root),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        text = _status_text(shm_root, c.job)
+        assert "MISSING" not in text
         assert "host1" in text and "healthy" in text and "newest protected step: 2" in text
     finally:
         c.stop()

@@ -60,3 +60,11 @@ def test_nobody_listening(tmp_path: Path) -> None:
     stale.close()
     with pytest.raises(DaemonUnavailableError, match="no ecsnap daemon"):
         storage.connect("job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.2)
+
+
+def test_status_cells_stay_readable_with_many_steps() -> None:
+    from storage.status import steps_text
+
+    assert steps_text([]) == "none"
+    assert steps_text([3, 4]) == "3,4"
+    assert steps_text(list(range(1, 89))) == "88 (1-88; newest 86,87,88)"

@@ -11,7 +11,7 @@ from storage.placement import Group, HostBlob, StripeLayout, default_km, make_gr
 @pytest.mark.parametrize("hosts", range(2, 40))
 def test_default_km_always_forms_groups(hosts: int) -> None:
     k, m = default_km(hosts)
-    groups = make_groups(hosts, k, m)
+    groups = make_groups(hosts, k, m, shrink=True)
     assert sorted(s for g in groups for s in g.slots) == list(range(hosts))
     assert all(g.k >= 1 and g.m == m for g in groups)
 
@@ -24,8 +24,14 @@ def test_bad_groups_are_config_errors() -> None:
     with pytest.raises(ConfigError):
         make_groups(4, 0, 1)
     assert issubclass(ConfigError, ValueError)
-    # a smaller last group shrinks its k
-    assert [(g.k, g.m) for g in make_groups(7, 3, 1)] == [(3, 1), (2, 1)]
+    # a smaller last group shrinks its k, only when asked to: else the error says what works
+    assert [(g.k, g.m) for g in make_groups(7, 3, 1, shrink=True)] == [(3, 1), (2, 1)]
+    with pytest.raises(ConfigError) as info:
+        make_groups(4, 3, 2)
+    message = str(info.value)
+    assert "RS(2,2)" in message and "Run 5 hosts" in message and "--shrink-last-group" in message
+    assert "--k 2 --m 2" in message
+    assert [(g.k, g.m) for g in make_groups(4, 3, 2, shrink=True)] == [(2, 2)]
 
 
 SHAPES = [(n, m) for n in range(2, 9) for m in range(1, n)]
