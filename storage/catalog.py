@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.errors import CapacityError, StorageError, to_wire
-from storage.placement import Group, HostBlob, StripeLayout
+from storage.placement import Group, HostBlob, StripeLayout, chunk_size
 from storage.protocol import LANES, Ballot, ShardRecord, StepState
 
 __all__ = ["Catalog", "ShardRec", "StepRec", "StepState"]
@@ -52,6 +52,7 @@ class StepRec:
     error: dict[str, Any] | None = None  # why it failed, as an error reply (errors.to_wire)
     lost: dict[str, Any] = field(default_factory=dict)  # why it cannot be rebuilt
     # this host's group only
+    chunk_bytes: int = 0  # the group's chunk for this step (from its blobs' size), once ready
     shards: dict[int, ShardRecord] = field(default_factory=dict)  # rank -> its shard record
     stored: dict[int, dict[str, Any]] = field(default_factory=dict)  # slot -> its checksums
     parity: dict[int, str] = field(default_factory=dict)  # slot -> its parity file
@@ -270,14 +271,20 @@ class Catalog:
     # -- layout ------------------------------------------------------------------------------------
 
     def layout(self, rec: StepRec) -> None:
-        """Each member's blob and the stripes of this host's group, from the group's shards."""
+        """Each member's blob and the stripes of this host's group, from the group's shards;
+        the chunk size from the largest blob (:func:`~storage.placement.chunk_size`), unless
+        a manifest gave it."""
         g = self.group
         if g is None:
             return
         per_slot: dict[int, list[tuple[int, int]]] = {s: [] for s in g.slots}
         for shard in rec.shards.values():
             per_slot[shard.slot].append((shard.rank, shard.nbytes))
-        rec.blobs = {s: HostBlob(tuple(sorted(v)), self.chunk_bytes) for s, v in per_slot.items()}
+        if not rec.chunk_bytes:
+            largest = max((sum(n for _, n in v) for v in per_slot.values()), default=0)
+            rec.chunk_bytes = chunk_size(largest, self.chunk_bytes)
+        cb = rec.chunk_bytes
+        rec.blobs = {s: HostBlob(tuple(sorted(v)), cb) for s, v in per_slot.items()}
         rec.layouts = {g.index: StripeLayout(g, [len(rec.blobs[s].chunks) for s in g.slots])}
 
     def evictions(self) -> list[int]:

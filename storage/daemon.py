@@ -137,7 +137,7 @@ class Daemon:
         h.log(
             f"ready: job {config.job} slot {h.slot}/{h.nslots} "
             f"group {h.group.index} RS({h.group.k},{h.group.m}) "
-            f"chunk {h.chunk_bytes} B, {len(h.catalog.protected())} protected step(s), "
+            f"chunks up to {h.chunk_bytes} B, {len(h.catalog.protected())} protected step(s), "
             f"socket {h.dir / 'ctl.sock'}"
             + (f", metrics on :{self.endpoint.port}" if self.endpoint.port else "")
         )

@@ -48,7 +48,7 @@ class Exchange:
         nparity = len(layout.parity_stripes[pos])
         ok = True
         try:
-            buf = h.pool.take(nparity * h.chunk_bytes, "p")
+            buf = h.pool.take(nparity * rec.chunk_bytes, "p")
             loc.parity = buf.name
         except CapacityError as exc:
             ok = False
@@ -72,14 +72,14 @@ class Exchange:
         h.phase("encoding")
         g = h.group
         layout, pos = h.my_layout(rec)
-        k, m, cb = g.k, g.m, h.chunk_bytes
+        k, m, cb = g.k, g.m, rec.chunk_bytes
         rank_at = list(range(len(g.slots)))  # group position -> rank on the group's links
         rs = h.codec(k, m)
         parity = h.pool.get(loc.parity).file.array if loc.parity else None
         window = h.config.window
-        data_scratch = h.scratch("data", window * k)
-        out_scratch = h.scratch("out", window * max(m - 1, 1) + 1)
-        outbox = h.scratch("send", window)
+        data_scratch = h.scratch("data", window * k, cb)
+        out_scratch = h.scratch("out", window * max(m - 1, 1) + 1, cb)
+        outbox = h.scratch("send", window, cb)
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl

@@ -28,7 +28,7 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             data += sum(s.nbytes for s in mine)
             tables += sum(s.table[1] for s in mine)
             layout, pos = h.my_layout(r)
-            parity += len(layout.parity_stripes[pos]) * h.chunk_bytes
+            parity += len(layout.parity_stripes[pos]) * r.chunk_bytes
         sent, received, gathered = h.counters()
         return Snapshot(
             job=h.config.job,

@@ -238,8 +238,10 @@ class Host:
             rs = self._codecs[(k, m)] = RSCodec(k, m, threads=self.config.encode_threads)
         return rs
 
-    def scratch(self, purpose: str, rows: int) -> np.ndarray[Any, Any]:
-        """Reused private (anonymous) rows of one chunk each, one set per ``purpose``.
+    def scratch(self, purpose: str, rows: int, chunk: int) -> np.ndarray[Any, Any]:
+        """Reused private (anonymous) rows of one ``chunk`` each, one set per ``purpose`` (rows
+        as wide as the largest chunk, ``--chunk-bytes``, viewed ``chunk`` wide: each row stays
+        contiguous, and pages are only touched as far as a step's chunks reach).
 
         Sends go out of these rows, not straight from the shared-memory files: MPICH moves a
         message out of anonymous memory 1.7-3x faster than out of a tmpfs mapping (measured with
@@ -251,7 +253,7 @@ class Host:
         if s is None:
             s = np.zeros((rows, self.chunk_bytes), dtype=np.uint8)
             self._scratch[key] = s
-        return s
+        return s[:, :chunk]
 
     def close(self) -> None:
         for rs in self._codecs.values():
@@ -271,7 +273,7 @@ class Host:
 
     def stripe_chunk(self, rec: StepRec, layout: StripeLayout, s: int, index: int) -> Any:
         """This host's bytes of chunk ``index`` of stripe ``s`` (a view into its file)."""
-        cb = self.chunk_bytes
+        cb = rec.chunk_bytes
         pos = layout.group.position(self.slot)
         if index >= layout.k:
             slot_i = layout.parity_slot(pos, s)
@@ -283,7 +285,7 @@ class Host:
 
     def chunk_length(self, rec: StepRec, layout: StripeLayout, s: int, index: int) -> int:
         if index >= layout.k:
-            return self.chunk_bytes
+            return rec.chunk_bytes
         c = layout.data_chunk(s, index)
         assert c is not None
         p = layout.data_position(s, index)

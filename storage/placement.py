@@ -20,7 +20,22 @@ from functools import cached_property
 
 from storage.errors import ConfigError
 
-__all__ = ["ChunkRef", "Group", "HostBlob", "StripeLayout", "default_km", "make_groups"]
+__all__ = [
+    "MIN_CHUNK",
+    "ChunkRef",
+    "Group",
+    "HostBlob",
+    "StripeLayout",
+    "chunk_size",
+    "default_km",
+    "make_groups",
+]
+
+# Per chunk there is a Python call, a checksum and a message: RS(3,1) encodes 4 KiB chunks at
+# 2.2 GB/s through the binding against 7.5 at 16 KiB and 34 at 1 MiB (one thread, measured).
+# Only blobs under 32 x 4 KiB are cut that fine, where the time is microseconds either way.
+MIN_CHUNK = 4 << 10
+TARGET_CHUNKS = 32  # chunks per blob: a stripe's padding costs about 1/32 of the parity
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,17 @@ def make_groups(hosts: int, k: int, m: int, shrink: bool = False) -> list[Group]
             )
         groups.append(Group(len(groups), slots, len(slots) - m, m))
     return groups
+
+
+def chunk_size(blob_bytes: int, largest: int) -> int:
+    """The chunk size of a group's step: about 1/32 of its largest blob (page multiples, at least
+    4 KiB), at most ``largest`` (``--chunk-bytes``). Parity is stored in whole chunks per
+    stripe, so a chunk large against the blob holds far more parity than m/k of the data (a
+    63 kB shard held 2 MB of parity with 1 MiB chunks); 32 chunks a blob keep it within a few
+    percent of m/k while big blobs keep their big chunks."""
+    want = -(-max(blob_bytes, 1) // TARGET_CHUNKS)
+    want = -(-want // 4096) * 4096
+    return min(largest, max(MIN_CHUNK, want))
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ def manifest_of(rec: StepRec, catalog: Catalog, job: str, hosts: list[str]) -> d
         "data_bytes": rec.data_bytes,
         "parity_bytes": rec.parity_bytes,
         "hosts": hosts,
-        "chunk_bytes": catalog.chunk_bytes,
+        "chunk_bytes": catalog.chunk_bytes,  # the job's largest (--chunk-bytes)
+        "step_chunk_bytes": rec.chunk_bytes,  # this step's, in this group
         "groups": [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in catalog.groups],
         "group": catalog.group.index,
         "shards": [s.to_json() for s in sorted(rec.shards.values(), key=lambda s: s.rank)],
@@ -127,6 +128,7 @@ def rec_from_manifest(m: dict[str, Any], catalog: Catalog) -> StepRec:
         state=StepState.PROTECTED,
         data_bytes=int(m["data_bytes"]),
         parity_bytes=int(m["parity_bytes"]),
+        chunk_bytes=int(m["step_chunk_bytes"]),
     )
     for s in m["shards"]:
         shard = ShardRec.from_json(s)

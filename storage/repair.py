@@ -66,7 +66,7 @@ class Repairer:
         layout, pos = h.my_layout(rec)
         n = len(layout.parity_stripes[pos])
         if n:
-            cb = h.chunk_bytes
+            cb = rec.chunk_bytes
             name = rec.parity.get(h.slot)
             buf = h.file(name, n * cb) if name else None
             for i in range(n):
@@ -153,7 +153,7 @@ class Repairer:
         plan = plan_repair(
             layout, {g.position(s): e for s, e in erased.items() if s in g.slots and e}
         )
-        k, cb = g.k, h.chunk_bytes
+        k, cb = g.k, rec.chunk_bytes
         rs = h.codec(k, g.m)
         mine = erased.get(h.slot, Erasures())
         # fresh files for what this host lost whole
@@ -186,7 +186,7 @@ class Repairer:
         rebuilt = 0
         t_wait = t_dec = 0.0
         t_start = time.monotonic()
-        outbox = h.scratch("send", window)
+        outbox = h.scratch("send", window, cb)
 
         def decode(jobs: list[tuple[int, int, int, dict[int, Any]]], scratch: Any) -> None:
             nonlocal t_dec  # one decode at a time; read after the last one
@@ -204,7 +204,7 @@ class Repairer:
         decoding: Future[None] | None = None
         with ThreadPoolExecutor(1, thread_name_prefix="ecsnap-decode") as decoder:
             for wi, w0 in enumerate(range(0, len(stripes), window)):
-                scratch = h.scratch(f"repair{wi % 2}", window * (k + 1))
+                scratch = h.scratch(f"repair{wi % 2}", window * (k + 1), cb)
                 reqs, jobs = self._post_window(
                     rec, layout, plan, stripes[w0 : w0 + window], scratch, outbox
                 )
@@ -269,7 +269,7 @@ class Repairer:
         h = self.host
         g = h.group
         pos = g.position(h.slot)
-        k, cb = g.k, h.chunk_bytes
+        k, cb = g.k, rec.chunk_bytes
         reqs: list[Any] = []
         jobs = []
         for b, s in enumerate(batch):

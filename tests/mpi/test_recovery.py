@@ -264,6 +264,7 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
         assert r["errors"] == {} and r["info"]["stats"]["encode_bytes"] == 0, r
         c.kill()
         m = _manifest(shm_root, c.job, "host0", 2)
+        assert m["step_chunk_bytes"] == cb  # 2.7 MB blobs: cut no finer than --chunk-bytes
         shards = {int(s["rank"]): s for s in m["shards"]}
         blobs = [
             HostBlob(tuple((r, s["nbytes"]) for r, s in shards.items() if s["slot"] == p), cb)

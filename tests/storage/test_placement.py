@@ -87,3 +87,37 @@ def test_layout_is_a_pure_function() -> None:
         a.data_chunk(s, j) == b.data_chunk(s, j)
         for s, j in itertools.product(range(a.stripes), range(2))
     )
+
+
+@pytest.mark.parametrize(
+    ("blob", "largest", "want"),
+    [
+        (0, 1 << 20, 4096),  # nothing: the floor
+        (63_000, 1 << 20, 4096),  # a small shard: the floor, not 1 MiB
+        (500_000, 1 << 20, 16384),
+        (2_000_000, 1 << 20, 65536),  # about 1/32 of the blob, in pages
+        (375_000_000, 1 << 20, 1 << 20),  # a big blob keeps --chunk-bytes
+        (630_000, 8192, 8192),  # never above --chunk-bytes
+    ],
+)
+def test_chunk_size_follows_the_blob(blob: int, largest: int, want: int) -> None:
+    from storage.placement import chunk_size
+
+    assert chunk_size(blob, largest) == want
+
+
+def test_small_blobs_hold_parity_near_m_over_k() -> None:
+    """Four 64 kB blobs on RS(3,1) held 2 MiB of parity with 1 MiB chunks (8x the data, where
+    m/k is 0.33x); cut by chunk_size, parity stays within 6 % of m/k, and within 4 % from 1 MB."""
+    from storage.placement import chunk_size
+
+    g = Group(0, (0, 1, 2, 3), 3, 1)
+
+    def over_m_k(blob: int, cb: int) -> float:
+        lay = StripeLayout(g, [-(-blob // cb)] * 4)
+        return lay.stripes * g.m * cb / (4 * blob) / (g.m / g.k)
+
+    assert over_m_k(64_000, 1 << 20) > 20
+    assert over_m_k(64_000, chunk_size(64_000, 1 << 20)) <= 1.06
+    for blob in (1_000_000, 1_300_000, 10_000_000, 375_000_000):
+        assert over_m_k(blob, chunk_size(blob, 1 << 20)) <= 1.04, blob
