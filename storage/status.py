@@ -105,8 +105,8 @@ def steps_text(steps: list[int], newest: int = 3) -> str:
     if not steps:
         return "none"
     if len(steps) <= newest + 1:
-        return ",".join(map(str, steps))
-    tail = ",".join(map(str, steps[-newest:]))
+        return ", ".join(map(str, steps))
+    tail = ", ".join(map(str, steps[-newest:]))
     return f"{len(steps)} ({steps[0]}-{steps[-1]}; newest {tail})"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -31,6 +32,12 @@ def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -
         assert manifests == ["3.json", "4.json"], manifests
     sent = [r["info"]["sent_bytes"] for r in results[::2]]
     assert all(s > 0 for s in sent)
+    # every line of the daemons' log is one message, whole (from every thread and process)
+    lines = cluster.log.read_text().splitlines()
+    assert lines and all(
+        re.fullmatch(r"ecsnap\[host\d\] [^\n]*", line) and line.count("ecsnap[") == 1
+        for line in lines
+    ), lines
 
 
 def test_partial_step_never_visible(shm_root: Path) -> None:

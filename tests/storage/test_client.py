@@ -66,5 +66,5 @@ def test_status_cells_stay_readable_with_many_steps() -> None:
     from storage.status import steps_text
 
     assert steps_text([]) == "none"
-    assert steps_text([3, 4]) == "3,4"
-    assert steps_text(list(range(1, 89))) == "88 (1-88; newest 86,87,88)"
+    assert steps_text([3, 4]) == "3, 4"
+    assert steps_text(list(range(1, 89))) == "88 (1-88; newest 86, 87, 88)"
