@@ -37,6 +37,7 @@ from typing import Any
 
 from bench._common import RESULTS, Recorder, exit_on_sigterm, table
 from bench.harness import Cluster, make_state, same
+from storage.errors import StorageError
 
 HOSTS = 4
 PEER_TIMEOUT = 6.0  # seconds: a dead peer ends the job this fast
@@ -117,11 +118,19 @@ class Job:
                 peer_timeout=PEER_TIMEOUT,
                 log=self.log,
             )
-        except RuntimeError:
+        except RuntimeError:  # the daemons died before serving (a fault at start-up, say)
             self.cluster = None
+            self._count_fired()
             return False
         self.proc = self.cluster.proc
         return True
+
+    def _count_fired(self) -> None:
+        """Count the injected-fault lines the launches since the last count logged."""
+        if self.log.exists():
+            text = self.log.read_text()
+            self.fired += text.count("injected fault", self._seen)
+            self._seen = len(text)
 
     def connect(self) -> None:
         self.close_stores()
@@ -151,12 +160,16 @@ class Job:
                 "wait",
                 problems,
             )
-            if pending or any(f.exception() is not None for f in done):
+            if pending:
                 return False
-        except TimeoutError:
-            return False
-        except Exception:
-            return False
+            for f in done:
+                exc = f.exception()
+                if exc is not None and not isinstance(exc, (StorageError, TimeoutError)):
+                    raise exc
+            if any(f.exception() is not None for f in done):
+                return False
+        except (TimeoutError, StorageError):
+            return False  # what a fault does to a put; anything else is a bug and propagates
         self.protected.add(step)
         return True
 
@@ -172,9 +185,7 @@ class Job:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        text = self.log.read_text()
-        self.fired += text.count("injected fault", self._seen)  # this launch's lines only
-        self._seen = len(text)
+        self._count_fired()  # this launch's lines only
         self.proc = None
 
     def died(self) -> bool:
@@ -370,6 +381,10 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
                     elif raw:
                         raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
                         f.write_bytes(bytes(raw))
+        # an injected fault is counted from the lines each launch logged: one that never fired
+        # tested nothing
+        if fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and not job.fired:
+            problems.append(f"the fault {fault} did not fire: the trial tested nothing")
         # relaunch without faults and check every step ever attempted
         if not job.start():
             problems.append("relaunch without faults failed")

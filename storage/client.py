@@ -231,8 +231,18 @@ class Store:
 
     # -- the public calls -------------------------------------------------------------------------
 
-    def put(self, step: int, state_dict: Any) -> SaveHandle:
+    def put(
+        self,
+        step: int,
+        state_dict: Any,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> SaveHandle:
         """Snapshot this rank's ``state_dict`` as ``step``; return at once with a handle.
+
+        ``rank`` and ``world_size`` (default: this Store's) number the step's shards otherwise,
+        for a step whose shards are not one per training rank (the DCP writer's commit record).
 
         Raises now, before anything is stored: :class:`UnsupportedTypeError` (naming the key path),
         :class:`StepExistsError` (this rank already put ``step``), :class:`CapacityError` (over the
@@ -251,16 +261,20 @@ class Store:
         table = _state.pack_table(skeleton, [leaf.meta() for leaf in leaves])
         table_at, total = _state.table_place(nbytes, len(table))
         handle = SaveHandle(step)
+        rank = self.rank if rank is None else rank
+        world_size = self.world_size if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
         alloc = self._request(
             {
                 "op": "alloc",
                 "step": step,
-                "rank": self.rank,
-                "world_size": self.world_size,
+                "rank": rank,
+                "world_size": world_size,
                 "nbytes": total,
             }
         )
-        meta = {"table": table, "at": table_at, "nbytes": total}
+        meta = {"table": table, "at": table_at, "nbytes": total, "rank": rank, "world": world_size}
         if any(leaf.device.startswith("cuda") for leaf in leaves):
             # device-to-host copies are enqueued here, on the side stream, without a host sync
             mf = self._map(alloc["path"], int(alloc["size"]))
@@ -327,8 +341,8 @@ class Store:
                 {
                     "op": "staged",
                     "step": handle.step,
-                    "rank": self.rank,
-                    "world_size": self.world_size,
+                    "rank": meta["rank"],
+                    "world_size": meta["world"],
                     "buffer": alloc["buffer"],
                     "nbytes": meta["nbytes"],
                     "table": [meta["at"], len(meta["table"])],
@@ -336,7 +350,7 @@ class Store:
             )
         except BaseException as exc:
             try:
-                self._request({"op": "abort", "step": handle.step, "rank": self.rank})
+                self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
             except StorageError:
                 pass
             handle.staged.set_exception(exc)

@@ -117,6 +117,7 @@ class Daemon:
                 "daemon per host, or --virtual-hosts to test on one machine"
             )
         self._prepare_dirs()
+        h.measure_memory_limit()
         if h.config.virtual_hosts is not None and h.rank == 0:
             # trainers on this machine map rank r to virtual host r % H (storage.client)
             _write_atomic(h.dir.parent / "virtual-hosts.json", {"hosts": hosts_by_rank})

@@ -1,14 +1,24 @@
 """``torch.distributed.checkpoint`` (DCP) with ecsnap as the storage.
 
-The one-line change for a DCP user::
+The one-line change for a DCP user, one writer and one reader for every step::
 
-    dcp.save(state_dict, storage_writer=SnapshotWriter(store, step))        # was FileSystemWriter
-    dcp.async_save(state_dict, storage_writer=SnapshotWriter(store, step))  # stages into daemons
-    dcp.load(state_dict, storage_reader=SnapshotReader(store))              # newest step
+    writer, reader = SnapshotWriter(store), SnapshotReader(store)
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id=f"{run}/step-{step}")
+    dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=step)   # stages into daemons
+    dcp.load(state_dict, storage_reader=reader, checkpoint_id=f"{run}/step-{step}")
+    dcp.load(state_dict, storage_reader=reader)                             # the newest step
 
-Each rank's write items become one ``put`` of that rank: ``{"dcp": [item descriptors], "t":
+A ``checkpoint_id`` is an int (the step) or a path whose last component ends in the step
+(``.../step-120``, ``.../checkpoint-120``, ``epoch=0-step=120.ckpt``; see :mod:`storage.ids`);
+nothing is read from or written to the path. Saving a step that is already protected raises
+:class:`StepExistsError` and changes nothing, as DCP's ``overwrite=False``.
+
+Each rank's write items become one shard of the step: ``{"dcp": [item descriptors], "t":
 {key: tensor}}``, so a DCP checkpoint is an ordinary ecsnap step (erasure-coded, rebuilt after
-host loss, listed by ``ecsnap status``). There is no separate metadata file: the reader rebuilds
+host loss, listed by ``ecsnap status``). The coordinator's ``finish`` commits it: the step has
+one more shard than DCP has ranks, a commit record the coordinator puts last, so a save that
+fails on any rank in any hook (even ``finish``) never leaves a protected step, and a load then
+finds the previous one. There is no separate metadata file: the reader rebuilds
 DCP's :class:`Metadata` from every rank's descriptors (``store.structure`` reads each rank's
 tensor table, not its tensors), so loading with another number of ranks (DCP's planner
 reshards) reads only the chunks it needs.
@@ -16,16 +26,18 @@ reshards) reads only the chunks it needs.
 ``async_save``: the writer is its own :class:`AsyncStager`. ``stage`` puts the state dict's
 tensors (a DTensor's local shard, a ShardedTensor's local shards) straight into daemon memory,
 one copy, and returns once they are there; the training loop may then change its tensors. The
-background save that DCP runs afterwards only plans and waits for the parity.
+background save that DCP runs afterwards only plans, commits and waits for the parity.
 
 Non-tensor values are pickled by DCP itself (``torch.save`` into its ``BytesIO`` items, loaded
 back with ``torch.load``), as with any DCP storage; ecsnap stores those bytes as a uint8 tensor
-and never unpickles anything. Use one writer per step.
+and never unpickles anything. The DCP ranks are the store's: each rank connects its own
+``Store`` with its rank and the world size of the process group that saves.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -52,37 +64,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from storage import ids
 from storage.client import Store
-from storage.errors import StepNotFoundError, StorageError
+from storage.errors import StepExistsError, StepNotFoundError, StorageError
 
 __all__ = ["SnapshotReader", "SnapshotWriter"]
 
-FORMAT = 1
+FORMAT = 2  # 2: a commit record as the last shard
 
 
 def _step_of(checkpoint_id: Any) -> int | None:
-    """An ecsnap step from a DCP ``checkpoint_id`` (an int, or a str of one); None if not one."""
-    if checkpoint_id is None:
-        return None
-    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
-        step = checkpoint_id
-    elif isinstance(checkpoint_id, str) and checkpoint_id.strip().isdigit():
-        step = int(checkpoint_id)
-    else:
-        raise StorageError(
-            f"checkpoint_id {checkpoint_id!r} is not an ecsnap step (an int >= 0, or a string "
-            "of one)"
-        )
-    if step < 0:
-        raise StorageError(f"checkpoint_id {checkpoint_id!r}: steps are >= 0")
-    return step
-
-
-def _is_step(checkpoint_id: Any) -> bool:
-    try:
-        return _step_of(checkpoint_id) is not None
-    except StorageError:
-        return False
+    """The step a DCP ``checkpoint_id`` names (None for None); see :mod:`storage.ids`."""
+    return None if checkpoint_id is None else ids.step_of(checkpoint_id)
 
 
 def _name(value: Any) -> str:
@@ -141,11 +134,12 @@ def _detach(data: Any, fqn: str) -> torch.Tensor:
 
 
 class SnapshotWriter(StorageWriter):
-    """DCP ``StorageWriter`` (and ``AsyncStager``) that saves ``step`` into the ecsnap daemons.
+    """DCP ``StorageWriter`` (and ``AsyncStager``) that saves steps into the ecsnap daemons.
 
-    ``store`` is this rank's :class:`storage.Store` (its rank is the DCP rank). The save returns
-    once the step is *protected* (parity stored on peers), as DCP's save returns once written.
-    ``checkpoint_id`` passed to ``dcp.save`` may name the step instead (an int).
+    ``store`` is this rank's :class:`storage.Store` (its rank is the DCP rank, its world size
+    DCP's). One writer serves many saves: each ``dcp.save(..., checkpoint_id=...)`` names its
+    step (or ``SnapshotWriter(store, step)`` fixes one). The save returns once the step is
+    *protected* (parity stored on peers), as DCP's save returns once written.
     """
 
     _synchronize_after_execute = False  # stage() returns only when the copy is done
@@ -153,7 +147,7 @@ class SnapshotWriter(StorageWriter):
     def __init__(self, store: Store, step: int | None = None) -> None:
         super().__init__()
         self.store = store
-        self.step = step
+        self.step = self._fixed = step
         self._staged: tuple[int, Any, dict[tuple[str, tuple[int, ...] | None], str]] | None = None
         self._lock = threading.Lock()
         self.staged_steps: list[int] = []  # steps stage() put into daemon memory (async_save)
@@ -206,9 +200,9 @@ class SnapshotWriter(StorageWriter):
     # -- StorageWriter ----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """A new save or load: of the step ``checkpoint_id`` names, else the constructor's."""
         step = _step_of(checkpoint_id)
-        if step is not None:
-            self.step = step
+        self.step = self._fixed if step is None else step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.get("rank")
@@ -217,11 +211,23 @@ class SnapshotWriter(StorageWriter):
                 f"DCP rank {rank} saves through the store of rank {self.store.rank}: connect each "
                 "rank's store with its own rank"
             )
+        step = self._require_step()
+        if self._staged is None and step in self.store.steps():
+            raise StepExistsError(
+                f"step {step} is already saved (protected): ecsnap steps are written once, as "
+                "DCP's overwrite=False; delete it first (store.delete) or save another step"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) != self.store.world_size:
+            raise StorageError(
+                f"DCP saves with {len(plans)} rank(s), but the stores were connected with "
+                f"world_size {self.store.world_size}: connect each rank's store with the world "
+                "size of the process group that saves"
+            )
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -247,7 +253,7 @@ class SnapshotWriter(StorageWriter):
             chosen = [
                 (item, keys[(item.index.fqn, _offset(item.index.offset))]) for item in plan.items
             ]
-        handle.wait()
+        handle.staged.result()  # protected only once the coordinator's finish commits it
         results = [
             WriteResult(
                 index=item.index,
@@ -261,20 +267,28 @@ class SnapshotWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Nothing to write: every rank's descriptors are in its shard of the step."""
+        """Commit the step (the coordinator): put its commit record, the last shard, and wait
+        until the step is protected. Every rank's descriptors are in its own shard."""
+        step = self._require_step()
+        world = self.store.world_size
+        record = {"format": FORMAT, "dcp_commit": world, "items": sum(len(r) for r in results)}
+        self.store.put(step, record, rank=world, world_size=world + 1).wait()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _is_step(checkpoint_id)
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return ids.valid(checkpoint_id)
 
     # -- helpers ----------------------------------------------------------------------------------
 
     def _require_step(self) -> int:
         if self.step is None:
-            raise StorageError("SnapshotWriter needs a step: SnapshotWriter(store, step)")
+            raise StorageError(
+                f"SnapshotWriter needs a step: dcp.save(..., checkpoint_id=...) with {ids.FORMS}, "
+                "or SnapshotWriter(store, step)"
+            )
         return self.step
 
     def _put(
@@ -292,7 +306,9 @@ class SnapshotWriter(StorageWriter):
                 tensors[key] = _detach(data, fqn)
             descriptors.append(_describe(item, key))
             keys[(fqn, _offset(item.index.offset))] = key
-        return self.store.put(step, {"format": FORMAT, "dcp": descriptors, "t": tensors}), keys
+        state = {"format": FORMAT, "dcp": descriptors, "t": tensors}
+        world = self.store.world_size
+        return self.store.put(step, state, world_size=world + 1), keys
 
 
 def _offset(offset: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -310,7 +326,8 @@ def _item_bytes(item: WriteItem) -> int:
 
 
 class SnapshotReader(StorageReader):
-    """DCP ``StorageReader`` over an ecsnap step (default: the newest protected one).
+    """DCP ``StorageReader`` over ecsnap steps: the one ``checkpoint_id`` names, or the one given
+    to the constructor, or else the newest protected one. One reader serves many loads.
 
     Works with any number of loading ranks: DCP's planner picks the chunks each rank needs and
     this reader takes them from the rank that stored them, its own first (local memory), else
@@ -320,19 +337,27 @@ class SnapshotReader(StorageReader):
     def __init__(self, store: Store, step: int | None = None) -> None:
         super().__init__()
         self.store = store
-        self.step = step
+        self.step = self._fixed = step
         self._where: dict[tuple[str, tuple[int, ...] | None], list[tuple[int, str]]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """A new load: of the step ``checkpoint_id`` names, else the constructor's (or the
+        newest); what the last load found is forgotten."""
         step = _step_of(checkpoint_id)
-        if step is not None:
-            self.step = step
+        self.step = self._fixed if step is None else step
+        self._where = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         step = self.step if self.step is not None else self.store.latest_step()
         if step is None:
             raise StepNotFoundError("no protected step to load from", None)
-        world = self.store.status(step).world_size
+        world = self.store.status(step).world_size - 1  # the last shard is the commit record
+        _, record = self.store.structure(step, rank=world) if world >= 0 else (step, None)
+        if not isinstance(record, dict) or record.get("dcp_commit") != world:
+            raise StorageError(
+                f"step {step} was not saved through SnapshotWriter (no DCP commit record); "
+                "read it with store.get()"
+            )
         md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, Any] = {}
         self._where = {}
@@ -423,5 +448,5 @@ class SnapshotReader(StorageReader):
         return fut
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _is_step(checkpoint_id)
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return ids.valid(checkpoint_id)

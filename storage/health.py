@@ -43,6 +43,7 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             parity_bytes=parity,
             pool_bytes=h.pool.used,
             memory_budget=h.config.memory_budget,
+            memory_limit=h.memory_limit,
             sent_bytes=sent,
             received_bytes=received,
             gathered_bytes=gathered,

@@ -142,6 +142,7 @@ class Host:
         self.errors: dict[str, int] = {}  # refused requests by error class
         self.last_error: str | None = None
         self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
+        self.memory_limit = config.memory_budget or 0  # see measure_memory_limit
         self.latency = Latencies(config.job, self.name)
         self._codecs: dict[tuple[int, int], RSCodec] = {}
         self._scratch: dict[tuple[str, int, int], np.ndarray[Any, Any]] = {}
@@ -182,6 +183,13 @@ class Host:
         self.k, self.m = k, m
         self.groups = make_groups(self.nslots, k, m, shrink=True)  # as its files were
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, self.config.keep)
+
+    def measure_memory_limit(self) -> None:
+        """The effective limit on this host's shared memory: ``--memory-budget``, else what
+        the file system under the host directory holds (a tmpfs's size)."""
+        if self.config.memory_budget is None:
+            st = os.statvfs(self.dir)
+            self.memory_limit = st.f_blocks * st.f_frsize
 
     def log(self, msg: str) -> None:
         log(self.name, msg)

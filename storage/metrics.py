@@ -88,10 +88,12 @@ class SnapshotCollector(Collector):
         yield gauge(
             "ecsnap_shm_bytes", "Shared memory this daemon holds, in use or free", snap.pool_bytes
         )
-        if snap.memory_budget is not None:
-            yield gauge(
-                "ecsnap_memory_budget_bytes", "--memory-budget of this host", snap.memory_budget
-            )
+        yield gauge(
+            "ecsnap_memory_budget_bytes",
+            "Shared memory this host may hold: --memory-budget, else what /dev/shm (the file "
+            "system under --root) holds",
+            snap.memory_limit,
+        )
         yield counter(
             "ecsnap_encode_bytes", "Data bytes encoded into parity", stats["encode_bytes"]
         )

@@ -504,6 +504,7 @@ class Snapshot:
     parity_bytes: int
     pool_bytes: int
     memory_budget: int | None
+    memory_limit: int  # the budget, or what the file system under --root holds
     sent_bytes: int
     received_bytes: int
     gathered_bytes: int

@@ -281,7 +281,20 @@ def _dcp_scenario(name: str) -> Any:
 
 
 SCENARIOS.update(
-    {name: _dcp_scenario(name) for name in ("dcp_save", "dcp_load", "fsdp_save", "fsdp_load")}
+    {
+        name: _dcp_scenario(name)
+        for name in (
+            "dcp_save",
+            "dcp_load",
+            "fsdp_save",
+            "fsdp_load",
+            "dcp_ids",
+            "dcp_no_dist",
+            "dcp_faulty",
+            "dcp_sharded",
+            "dcp_dtensor",
+        )
+    }
 )
 
 

@@ -62,3 +62,35 @@ def test_fsdp2_model_and_optimizer_resharded_2_to_4(shm_root: Path) -> None:
         assert all(r["wrong"] == [] and r["compared"] == len(expect) for r in res), res
     finally:
         assert c.stop() == 0
+
+
+def test_checkpoint_ids_overwrite_and_faults_on_one_rank(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=4, k=3, m=1)
+    try:
+        res = trainers(c, "dcp_ids", world=2, per_host=1, params={"port": _port()})
+        for r in res:
+            assert r["wrong"] == {} and r["newest"] == [], r
+            assert r["steps"] == [10, 20, 30], r
+            assert "already saved" in r["overwrite"] and r["after_overwrite"] == [], r
+            assert "step-120" in r["bad_id"] and "latest" in r["bad_id"], r
+            assert r["valid"] == [True, False, False]
+        [one] = trainers(c, "dcp_no_dist", world=1, per_host=1, params={})
+        assert one["same"] and 5 in one["steps"], one
+        res = trainers(c, "dcp_faulty", world=2, per_host=1, params={"port": _port()})
+        for r in res:
+            assert all(r["raised"].values()), r  # every injected fault reached every rank
+            assert not any(r["protected"].values()), r  # and left no protected step
+            assert r["wrong"] == {} and r["after"] == [], r
+            assert r["steps"][-1] == 9 and not {2, 3, 4, 5, 6} & set(r["steps"]), r
+    finally:
+        assert c.stop() == 0
+
+
+def test_sharded_tensor_specs_and_dtensor_placements_reshard(shm_root: Path) -> None:
+    c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "3"])
+    try:
+        for scenario in ("dcp_sharded", "dcp_dtensor"):
+            res = trainers(c, scenario, world=4, per_host=1, params={"port": _port()})
+            assert all(r["wrong"] == [] for r in res), (scenario, res)
+    finally:
+        assert c.stop() == 0
