@@ -229,7 +229,9 @@ def run(
     state = make_state(99, 0, nbytes=nbytes, tensors=ntensors)
     actual = nbytes_of(state)
     pool = ThreadPoolExecutor(2)
-    floor_buf = shm.create(root / "floor.buf", actual)
+    from storage.state import flatten
+
+    floor_buf = shm.create(root / "floor.buf", flatten(state)[2])  # leaves 64-byte aligned
     then = f", then {replicas}-way replication (RS(1,{replicas - 1}))" if replicas > 1 else ""
     print(
         f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}){then}",
