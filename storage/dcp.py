@@ -148,6 +148,7 @@ class SnapshotWriter(StorageWriter):
         super().__init__()
         self.store = store
         self.step = self._fixed = step
+        self._coordinator = False
         self._staged: tuple[int, Any, dict[tuple[str, tuple[int, ...] | None], str]] | None = None
         self._lock = threading.Lock()
         self.staged_steps: list[int] = []  # steps stage() put into daemon memory (async_save)
@@ -160,10 +161,23 @@ class SnapshotWriter(StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Put ``state_dict`` into daemon memory now (one copy); DCP's background save then only
-        plans and waits for the parity. Returns ``state_dict``: its tensors may change from here."""
+        plans, commits and waits for the parity. Returns ``state_dict``: its tensors may change
+        from here.
+
+        That needs the step before DCP names it: ``async_save`` stages before it hands the
+        writer its ``checkpoint_id``. So a writer made for one step (``SnapshotWriter(store,
+        step)``) stages into the daemons; one that serves many ids copies the tensors to CPU
+        memory as DCP's own stager does, and puts them when the background save writes."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
         from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
+        if self._fixed is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            copy: dict[str, Any] = DefaultStager(StagingOptions(False, False, False, False)).stage(
+                state_dict
+            )  # type: ignore[assignment]
+            return copy
         step = self._require_step()
         flat, _ = flatten_state_dict(state_dict)
         items: list[tuple[WriteItem, Any]] = []
@@ -205,6 +219,7 @@ class SnapshotWriter(StorageWriter):
         self.step = self._fixed if step is None else step
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
         rank = kwargs.get("rank")
         if rank is not None and rank != self.store.rank:
             raise StorageError(
@@ -262,6 +277,8 @@ class SnapshotWriter(StorageWriter):
             )
             for item, key in chosen
         ]
+        if not self._coordinator:
+            self.step = self._fixed  # this save's id was for this save (the coordinator: finish)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -272,7 +289,10 @@ class SnapshotWriter(StorageWriter):
         step = self._require_step()
         world = self.store.world_size
         record = {"format": FORMAT, "dcp_commit": world, "items": sum(len(r) for r in results)}
-        self.store.put(step, record, rank=world, world_size=world + 1).wait()
+        try:
+            self.store.put(step, record, rank=world, world_size=world + 1).wait()
+        finally:
+            self.step = self._fixed  # this save's id was for this save
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
@@ -338,6 +358,7 @@ class SnapshotReader(StorageReader):
         super().__init__()
         self.store = store
         self.step = self._fixed = step
+        self._reading: int | None = None  # the step the current load reads
         self._where: dict[tuple[str, tuple[int, ...] | None], list[tuple[int, str]]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -397,7 +418,7 @@ class SnapshotReader(StorageReader):
                     index = MetadataIndex(fqn, offsets)
                 self._where.setdefault(where, []).append((rank, d["key"]))
                 storage.setdefault(index, {"rank": rank, "key": d["key"]})
-        self.step = step
+        self._reading = step
         return Metadata(
             state_dict_metadata=md,
             storage_data=storage,
@@ -407,8 +428,15 @@ class SnapshotReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        if not self._where:  # metadata read on another rank and broadcast: index it here too
-            self.read_metadata()
+        """Index where each item lies for the step the (broadcast) metadata names."""
+        named = metadata.storage_meta.checkpoint_id if metadata.storage_meta else None
+        step = int(str(named)) if named is not None else self._reading
+        if step != self._reading or not self._where:  # read on another rank: index it here too
+            requested, self.step = self.step, step
+            try:
+                self.read_metadata()
+            finally:
+                self.step = requested
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -422,11 +450,11 @@ class SnapshotReader(StorageReader):
             si = item.storage_index
             holders = self._where.get((si.fqn, _offset(si.offset)))
             if not holders:
-                raise StorageError(f"step {self.step} holds no item {si.fqn!r} at {si.offset}")
+                raise StorageError(f"step {self._reading} holds no item {si.fqn!r} at {si.offset}")
             rank, key = next(((r, k) for r, k in holders if r == self.store.rank), holders[0])
             by_rank.setdefault(rank, []).append((item, key))
         for rank, wanted in sorted(by_rank.items()):
-            tensors = self.store.get(self.step, rank=rank)["t"]
+            tensors = self.store.get(self._reading, rank=rank)["t"]
             for item, key in wanted:
                 src = tensors[key]
                 if item.type == LoadItemType.BYTE_IO:

@@ -6,11 +6,12 @@
     trainer = Trainer(model, TrainingArguments(..., save_strategy="no"), callbacks=[snap], ...)
     trainer.train(resume_from_checkpoint=snap.restore(args.output_dir))   # None: from scratch
 
-Each N-th step's end (``on_step_end``: after the optimizer and scheduler stepped, where the
-Trainer would save a checkpoint), every process puts its model, optimizer, scheduler, RNG and
+Every N-th step, where the Trainer would save a checkpoint (after the optimizer and scheduler
+stepped and the step was logged), every process puts its model, optimizer, scheduler, RNG and
 trainer state into ecsnap as that step (process i is rank i of the Trainer's world), without
 writing a checkpoint folder; the training loop waits only for the copy, and only at the next
-optimizer step (``store.guard``).
+optimizer step (``store.guard``). The put is asynchronous: a process killed right after a step
+may lose that step's snapshot, and resumes from the one before.
 
 The way back is the Trainer's own ``resume_from_checkpoint``: :meth:`SnapshotCallback.restore`
 writes the newest protected step as the checkpoint folder the Trainer reads (``checkpoint-N``
@@ -75,6 +76,7 @@ class SnapshotCallback(TrainerCallback):
         self.job, self.every, self.root, self.host, self.timeout = job, every, root, host, timeout
         self.store: storage.Store | None = None
         self._guarded: Any = None
+        self._due: tuple[int, dict[str, Any]] | None = None  # a step to snapshot, its RNG
         self.last: Any = None  # the newest put's handle
 
     def _connect(self, args: TrainingArguments) -> storage.Store:
@@ -96,13 +98,22 @@ class SnapshotCallback(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        model: Any = None,
-        optimizer: Any = None,
-        lr_scheduler: Any = None,
         **kwargs: Any,
     ) -> None:
-        if state.global_step % self.every or model is None or optimizer is None:
+        """A step is done: due a snapshot, take its RNG state now (the Trainer saves it here,
+        before anything draws again) and the rest at the next hook, once the Trainer has logged
+        the step (as its own checkpoint's ``trainer_state.json`` holds that log)."""
+        if state.global_step % self.every == 0:
+            self._due = (state.global_step, _rng_state())
+
+    def _snapshot(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, kw: Any
+    ) -> None:
+        due, self._due = self._due, None
+        model, optimizer, scheduler = kw.get("model"), kw.get("optimizer"), kw.get("lr_scheduler")
+        if due is None or model is None or optimizer is None:
             return
+        step, rng = due
         store = self._connect(args)
         inner = _inner(optimizer)
         if self._guarded is not inner:
@@ -114,15 +125,26 @@ class SnapshotCallback(TrainerCallback):
         snapshot = {
             "model": model.state_dict(),
             "optimizer": inner.state_dict(),
-            "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else {},
-            "rng": _rng_state(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else {},
+            "rng": rng,
             "trainer_state": json.dumps(trainer_state, indent=2, sort_keys=True) + "\n",
         }
-        self.last = store.put(state.global_step, snapshot)
+        self.last = store.put(step, snapshot)
 
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
-    ) -> None:
+    # the first hook after a due step's end takes its snapshot: the Trainer has logged it by then,
+    # and nothing has changed the model, the optimizer or the scheduler since
+
+    def on_log(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._snapshot(args, state, control, kw)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._snapshot(args, state, control, kw)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._snapshot(args, state, control, kw)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._snapshot(args, state, control, kw)
         if self.last is not None:
             self.last.wait()  # the last snapshot is protected before train() returns
 

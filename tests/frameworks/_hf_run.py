@@ -58,7 +58,7 @@ def main() -> None:
         max_steps=spec["steps"],
         learning_rate=3e-3,
         logging_steps=1,
-        save_strategy="steps" if spec["mode"] == "file" else "no",
+        save_strategy="steps" if spec["mode"] == "file" else "no",  # "none": no checkpoints
         save_steps=1,
         report_to=[],
         seed=0,
@@ -82,7 +82,7 @@ def main() -> None:
             resume = snap.restore(out_dir, args)
         else:
             resume = str(out_dir / f"checkpoint-{spec['resume_at']}")
-    folders_before = sorted(p.name for p in out_dir.glob("checkpoint-*"))
+    folders_before = sorted(p.name for p in out_dir.glob("checkpoint-*"))  # restore's, if any
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     torch.save(model.state_dict(), spec["out"])

@@ -266,20 +266,20 @@ def dcp_ids(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str,
 
 
 def dcp_no_dist(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
-    """dcp.save / dcp.load with no_dist=True (one process, no process group)."""
+    """dcp.save / dcp.load with no_dist=True (one process, no process group), as step 55."""
     full = full_state(5)
     state = {"w": full["w"].clone(), "extra": {"plain": full["plain"].clone(), "s": "text"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled"
         dcp.save(
-            state, storage_writer=SnapshotWriter(store), checkpoint_id="run/step-5", no_dist=True
+            state, storage_writer=SnapshotWriter(store), checkpoint_id="run/step-55", no_dist=True
         )
         target = {
             "w": torch.zeros_like(full["w"]),
             "extra": {"plain": torch.zeros(10, dtype=torch.int64), "s": ""},
         }
         dcp.load(
-            target, storage_reader=SnapshotReader(store), checkpoint_id="run/step-5", no_dist=True
+            target, storage_reader=SnapshotReader(store), checkpoint_id="run/step-55", no_dist=True
         )
     same = torch.equal(target["w"], full["w"]) and torch.equal(
         target["extra"]["plain"], full["plain"]
@@ -330,18 +330,19 @@ class FaultyWriter(SnapshotWriter):
 
 def dcp_faulty(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[str, Any]:
     """A save that fails on one rank in one hook never leaves a protected step; a load then
-    finds the previous one, and the next save works."""
+    finds the previous one (step 101, newer than what other scenarios saved), and the next save
+    works."""
     mesh = _init(rank, world, p)
-    out: dict[str, Any] = {"raised": {}, "protected": {}, "wrong": {}}
+    out: dict[str, Any] = {"raised": {}, "named": {}, "protected": {}, "wrong": {}}
     reader = SnapshotReader(store)
     try:
         dcp.save(
-            sharded(mesh, full_state(1), "rows"),
+            sharded(mesh, full_state(101), "rows"),
             storage_writer=SnapshotWriter(store),
-            checkpoint_id=1,
+            checkpoint_id=101,
         )
         for i, hook in enumerate(_HOOKS):
-            step = 2 + i
+            step = 102 + i
             on_rank = 0 if hook in ("prepare_global_plan", "finish") else world - 1
             try:
                 dcp.save(
@@ -353,18 +354,20 @@ def dcp_faulty(store: Store, rank: int, world: int, p: dict[str, Any]) -> dict[s
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                out["raised"][hook] = "injected fault" in str(exc)
+                out["raised"][hook] = True
+                if rank == on_rank:
+                    out["named"][hook] = "injected fault" in str(exc)
             dist.barrier()
             out["protected"][hook] = step in store.steps()
-            bad = _load_checked(mesh, reader, 1)  # the newest protected step: still step 1
+            bad = _load_checked(mesh, reader, 101)  # the newest protected step: still 101
             if bad:
                 out["wrong"][hook] = bad
         dcp.save(
-            sharded(mesh, full_state(9), "rows"),
+            sharded(mesh, full_state(109), "rows"),
             storage_writer=SnapshotWriter(store),
-            checkpoint_id=9,
+            checkpoint_id=109,
         )
-        out["after"] = _load_checked(mesh, reader, 9)
+        out["after"] = _load_checked(mesh, reader, 109)
         out["steps"] = store.steps()
     finally:
         _leave()

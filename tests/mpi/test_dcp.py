@@ -65,7 +65,7 @@ def test_fsdp2_model_and_optimizer_resharded_2_to_4(shm_root: Path) -> None:
 
 
 def test_checkpoint_ids_overwrite_and_faults_on_one_rank(shm_root: Path) -> None:
-    c = Cluster(shm_root, hosts=4, k=3, m=1)
+    c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"])
     try:
         res = trainers(c, "dcp_ids", world=2, per_host=1, params={"port": _port()})
         for r in res:
@@ -75,13 +75,14 @@ def test_checkpoint_ids_overwrite_and_faults_on_one_rank(shm_root: Path) -> None
             assert "step-120" in r["bad_id"] and "latest" in r["bad_id"], r
             assert r["valid"] == [True, False, False]
         [one] = trainers(c, "dcp_no_dist", world=1, per_host=1, params={})
-        assert one["same"] and 5 in one["steps"], one
+        assert one["same"] and 55 in one["steps"], one
         res = trainers(c, "dcp_faulty", world=2, per_host=1, params={"port": _port()})
         for r in res:
             assert all(r["raised"].values()), r  # every injected fault reached every rank
+            assert all(r["named"].values()), r  # and the rank it struck names it
             assert not any(r["protected"].values()), r  # and left no protected step
             assert r["wrong"] == {} and r["after"] == [], r
-            assert r["steps"][-1] == 9 and not {2, 3, 4, 5, 6} & set(r["steps"]), r
+            assert r["steps"][-1] == 109 and not set(range(102, 107)) & set(r["steps"]), r
     finally:
         assert c.stop() == 0
 

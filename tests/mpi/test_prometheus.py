@@ -178,5 +178,5 @@ def test_a_real_prometheus_scrapes_the_daemons_and_the_dashboard_has_data(
         for s in stores:
             s.close()
         prom.terminate()
-        prom.wait(30)
+        prom.communicate(timeout=30)  # reaps it and closes its stderr pipe
         assert c.stop() == 0
