@@ -172,15 +172,25 @@ class Workers:
     """One worker rank per host (rank r on host r), ``nbytes`` of state split among them."""
 
     def __init__(
-        self, job: str, root: Any, nbytes: int, ntensors: int, hosts: int, model: int = 0
+        self,
+        job: str,
+        root: Any,
+        nbytes: int,
+        ntensors: int,
+        hosts: int,
+        model: int = 0,
+        places: list[tuple[str, Any]] | None = None,
     ) -> None:
+        """``places``: (host, root) of each rank where the hosts are not virtual hosts under one
+        root (a lab's hosts, each with its own /dev/shm)."""
+        where = places or [(f"host{r}", root) for r in range(hosts)]
         self.specs = [
             {
                 "job": job,
-                "root": str(root),
+                "root": str(where[rank][1]),
                 "rank": rank,
                 "world": hosts,
-                "host": f"host{rank}",
+                "host": where[rank][0],
                 "nbytes": nbytes // hosts,
                 "ntensors": max(ntensors // hosts, 1),
                 "model": model,

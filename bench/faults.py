@@ -35,8 +35,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench import lab_faults
 from bench._common import RESULTS, Recorder, exit_on_sigterm, table
 from bench.harness import Cluster, make_state, same
+from bench.lab import Lab
+from bench.lab_faults import NET_FAULTS
 from storage.errors import StorageError
 
 HOSTS = 4
@@ -440,12 +443,17 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bo
     )
     rows = []
     failed = 0
+    net = [f for f in only or FAULTS + NET_FAULTS if f in NET_FAULTS]
+    lab = Lab.up(lab_faults.HOSTS, link_gbit=lab_faults.LINK_GBIT) if net else None
     try:
-        for fault in only or FAULTS:
+        for fault in only or FAULTS + NET_FAULTS:
             outcomes = []
             for i in range(trials):
                 t0 = time.monotonic()
-                out = trial(fault, root, rng)
+                if lab is not None and fault in NET_FAULTS:
+                    out = lab_faults.trial(lab, fault, rng)
+                else:
+                    out = trial(fault, root, rng)
                 out["seconds"] = time.monotonic() - t0
                 outcomes.append(out)
                 mark = "ok" if not out["problems"] else f"PROBLEMS {out['problems']}"
@@ -479,6 +487,8 @@ def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bo
                 rec.write()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if lab is not None:
+            lab.down()
     print(
         table(
             rows,
@@ -603,7 +613,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trials", type=int, default=20, help="randomized trials per fault")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", nargs="*", choices=FAULTS, help="just these faults")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=FAULTS + NET_FAULTS,
+        help="just these faults (the network faults run on a lab: root only)",
+    )
     a = p.parse_args(argv)
     return run_matrix(a.trials, a.seed, a.only)
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Lab", "janitor", "main"]
+__all__ = ["Lab", "LabError", "LabJob", "janitor", "main"]
 
 PREFIX = "ecl"
 STATE_DIR = Path("/run/ecsnap-lab") if Path("/run").is_dir() else Path("/tmp/ecsnap-lab")
@@ -211,7 +211,8 @@ class Lab:
 
     def standin(self) -> Path:
         """The ssh stand-in hydra launches proxies with: drops ssh options, takes the host, runs
-        the rest of the command inside that host."""
+        the rest of the command inside that host, joined into one shell line as ssh does (hydra
+        quotes its words for that remote shell)."""
         path = Path(self.root) / "ssh-standin"
         if not path.exists():
             hosts = {h: i for i, h in enumerate(self.hosts)}
@@ -225,8 +226,7 @@ class Lab:
                 "while args and args[0].startswith('-'):\n"
                 "    args = args[1:]\n"
                 "host, cmd = args[0], args[1:]\n"
-                "if len(cmd) == 1:\n"
-                "    cmd = ['sh', '-c', cmd[0]]\n"
+                "cmd = ['sh', '-c', ' '.join(cmd)]  # as ssh does: one line for the remote shell\n"
                 "full = lab.host_command(hosts[host], cmd)\n"
                 "os.execvp(full[0], full)\n"
             )
@@ -234,7 +234,11 @@ class Lab:
         return path
 
     def serve_command(
-        self, job: str, extra: Sequence[str] = (), python: str | None = None
+        self,
+        job: str,
+        extra: Sequence[str] = (),
+        python: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> list[str]:
         """``mpiexec`` across the lab's hosts, one ``ecsnap serve`` each (host names from their
         hostnames), MPI over TCP only."""
@@ -249,6 +253,7 @@ class Lab:
             "-iface", self.bridge,
             "-genv", "UCX_TLS", "tcp,self",
             "-genv", "PYTHONPATH", str(Path(__file__).resolve().parent.parent),
+            *(x for k, v in (env or {}).items() for x in ("-genv", k, v)),
             "-n", str(len(self.hosts)),
             "-ppn", "1",
             py, "-m", "storage.cli", "serve", "--job", job, "--root", "/dev/shm/ecsnap",
@@ -256,8 +261,28 @@ class Lab:
         ]  # fmt: skip
 
     def link(self, i: int, state: str) -> None:
-        """Host i's link ``down`` or ``up``."""
+        """Host i's link ``down`` or ``up`` (``up`` returns once the host reaches the bridge)."""
         _run("ip", "link", "set", self.veths[i], state)
+        if state == "up":
+            self.wait_reachable(i)
+
+    def wait_reachable(self, i: int, timeout: float = 20.0) -> None:
+        """Until host i reaches the bridge's address: a connection to a closed port there is
+        refused (the route works), not unreachable."""
+        gw = str(ipaddress.IPv4Network(self.subnet).network_address + 1)
+        probe = (
+            "import socket,sys\n"
+            "s=socket.socket(); s.settimeout(1)\n"
+            f"try: s.connect(('{gw}', 9))\n"
+            "except ConnectionRefusedError: sys.exit(0)\n"
+            "except OSError: sys.exit(1)\n"
+        )
+        deadline = time.monotonic() + timeout
+        while _run("ip", "netns", "exec", self.hosts[i], sys.executable, "-c", probe,
+                   check=False).returncode:  # fmt: skip
+            if time.monotonic() > deadline:
+                raise LabError(f"{self.hosts[i]} cannot reach the bridge {timeout:.0f}s after up")
+            time.sleep(0.2)
 
     def rate(self, i: int, gbit: float) -> None:
         """Shape host i's link to ``gbit`` Gbit/s both ways (tbf; netem is not available)."""
@@ -284,9 +309,151 @@ class Lab:
         return out
 
 
+class LabJob:
+    """A storage job across a lab's hosts (the lab's :class:`bench.harness.Cluster`): started
+    by the constructor, ready once every daemon logged ``ready:``; trainers connect from here
+    through each host's /dev/shm (:meth:`stores`)."""
+
+    def __init__(
+        self,
+        lab: Lab,
+        job: str,
+        extra: Sequence[str] = (),
+        peer_timeout: float = 20.0,
+        timeout: float = 120.0,
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+    ) -> None:
+        self.lab, self.job = lab, job
+        self.extra = [*extra, "--peer-timeout", str(peer_timeout)]
+        self.log = log or Path(lab.root) / f"{job}.log"
+        self.log.touch()
+        mark = self.log.stat().st_size
+        with self.log.open("a") as out:
+            self.proc: subprocess.Popen[str] = subprocess.Popen(
+                lab.serve_command(job, self.extra, env=env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                cwd=str(Path(__file__).resolve().parent.parent),
+            )
+        lab.pids.append(self.proc.pid)
+        lab.save()
+        self.mark = mark
+        deadline = time.monotonic() + timeout
+        while ready:
+            text = self.log.read_text()[mark:]
+            if text.count("ready:") >= len(lab.hosts):
+                return
+            if self.proc.poll() is not None:
+                self.kill()
+                raise RuntimeError(f"the daemons exited with {self.proc.returncode}:\n{text}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the daemons were not ready in {timeout:.0f}s:\n{text}")
+            time.sleep(0.1)
+
+    def root(self, i: int) -> Path:
+        """The daemons' --root of host i, as seen from here."""
+        return self.lab.shm(i) / "ecsnap"
+
+    def stores(self, world: int, timeout: float = 60.0) -> list[Any]:
+        """One Store per rank, rank r on host r % hosts, connected from this process."""
+        import storage
+
+        n = len(self.lab.hosts)
+        return [
+            storage.connect(
+                self.job,
+                rank=r,
+                world_size=world,
+                host=self.lab.hosts[r % n],
+                root=self.root(r % n),
+                timeout=timeout,
+            )
+            for r in range(world)
+        ]
+
+    def logged(self, text: str, timeout: float) -> bool:
+        """Whether this launch's log shows ``text`` within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log.read_text()[self.mark :]:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def gone(self, i: int, timeout: float) -> bool:
+        """Whether host i's daemon is gone within ``timeout`` seconds (its hydra proxy may
+        linger while mpiexec cannot reach another host's)."""
+        deadline = time.monotonic() + timeout
+        while any(_is_daemon(p) for p in _ns_pids(self.lab.hosts[i])):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def processes(self, i: int) -> list[str]:
+        """What runs in host i (pid, state and command line), for a failure's message."""
+        out = []
+        for pid in _ns_pids(self.lab.hosts[i]):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            out.append(f"{pid} {state} {cmd[:200]}")
+        return out
+
+    def wait(self, timeout: float) -> int | None:
+        """The job's exit status once it ends by itself within ``timeout``, else None."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for ns in self.lab.hosts:  # daemons left inside the hosts (mpiexec's proxies died)
+            for pid in _ns_pids(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def daemon_pid(self, i: int) -> int:
+        """The pid of host i's daemon (from its health file)."""
+        health = json.loads(
+            (self.root(i) / self.job / self.lab.hosts[i] / "health.json").read_text()
+        )
+        return int(health["pid"])
+
+
 def _ns_pids(ns: str) -> list[int]:
     out = _run("ip", "netns", "pids", ns, check=False).stdout.split()
     return [int(p) for p in out if p.isdigit()]
+
+
+def _is_daemon(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"serve" in cmd and any(c.endswith((b"storage.cli", b"ecsnap")) for c in cmd)
 
 
 def janitor() -> list[str]:

@@ -434,7 +434,26 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="then the same daemons keeping this many full copies, RS(1, r-1) (1: skip)",
     )
+    parser.add_argument(
+        "--lab",
+        action="store_true",
+        help="over 4 lab hosts (network namespaces, root only): RS(3,1), RS(2,2), 2- and 3-way "
+        "replication against their network floors (see bench/lab_store.py)",
+    )
+    parser.add_argument(
+        "--link-gbit", type=float, default=2.0, help="with --lab: each host's link rate"
+    )
     args = parser.parse_args(argv)
+    if args.lab:
+        from bench import lab_store
+
+        lab_store.run(
+            gbit=args.link_gbit,
+            nbytes=args.bytes or ((256 << 20) if args.quick else 1_500_000_000),
+            repeats=args.repeats or (2 if args.quick else 5),
+            losses=1 if args.quick else 2,
+        )
+        return 0
     run(
         quick=args.quick,
         k=args.k,

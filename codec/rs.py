@@ -143,6 +143,7 @@ class RSCodec:
             self._matrix[1:] = 1  # replication: every parity chunk is a copy
         self._encode_tables = self._tables(self._matrix[k * k :], m)
         self._decode_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], U8Array] = {}
+        self._scale_tables: dict[tuple[int, bool], U8Array] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], int], _Plan] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -235,6 +236,55 @@ class RSCodec:
             return
         self._run(self._decode_tables(chosen, wanted), src, dst, length)
 
+    def repair_row(self, sources: Sequence[int], target: int) -> U8Array:
+        """The k coefficients that rebuild chunk ``target`` from the chunks ``sources``.
+
+        ``target = XOR over i of coeff[i] * chunk[sources[i]]`` in GF(2^8): the row a repair
+        spread over the helpers uses (each helper scales its own chunk; see :meth:`scale_add`).
+        Raises :class:`InvalidParamsError` unless ``sources`` are k distinct indexes without
+        ``target``.
+        """
+        n = self.k + self.m
+        chosen = tuple(int(i) for i in sources)
+        if len(set(chosen)) != self.k or target in chosen or not 0 <= target < n:
+            raise InvalidParamsError(
+                f"a repair row needs k={self.k} distinct sources without the target, got "
+                f"sources {list(chosen)} for target {target}"
+            )
+        if any(not 0 <= i < n for i in chosen):
+            raise InvalidParamsError(f"chunk index outside 0..{n - 1} in {list(chosen)}")
+        order = sorted(range(self.k), key=lambda i: chosen[i])
+        row = self._decode_rows(tuple(sorted(chosen)), (int(target),))[0]
+        out = np.empty(self.k, dtype=np.uint8)
+        out[order] = row  # back in the order the sources were given
+        return out
+
+    def scale_add(self, coeff: int, src: Buffer, out: Buffer, acc: Buffer | None = None) -> None:
+        """``out = coeff * src`` (GF(2^8)), XOR ``acc`` when given: one pass, no copies.
+
+        A helper of a spread repair adds its scaled chunk to the partial sum it received and
+        sends the result on. ``out`` must not overlap ``src`` or ``acc``; all the same length.
+        """
+        if not 0 <= int(coeff) <= 255:
+            raise InvalidParamsError(f"a GF(2^8) coefficient is 0..255, got {coeff}")
+        srcs = [src] if acc is None else [src, acc]
+        addrs, length = _pointers(srcs, False, "src")
+        (dst,), olength = _pointers([out], True, "out")
+        if olength != length:
+            raise ChunkSizeMismatchError(f"out is {olength} bytes, src is {length}")
+        key = (int(coeff), acc is not None)
+        tables = self._scale_tables.get(key)
+        if tables is None:
+            rows = np.array([coeff, 1][: len(srcs)], dtype=np.uint8)
+            tables = np.zeros(32 * len(srcs), dtype=np.uint8)
+            self._lib.ec_init_tables(len(srcs), 1, _u8ptr(rows), _u8ptr(tables))
+            with self._lock:
+                self._scale_tables[key] = tables
+        if length:
+            src_p = (ctypes.c_void_p * len(addrs))(*addrs)
+            dst_p = (ctypes.c_void_p * 1)(dst)
+            self._lib.ec_encode_data(length, len(srcs), 1, tables.ctypes.data, src_p, dst_p)
+
     def close(self) -> None:
         """Stop the thread pool (if any); the codec stays usable and restarts it on demand."""
         with self._lock:
@@ -266,7 +316,17 @@ class RSCodec:
         tables = self._decode_cache.get(key)
         if tables is not None:
             return tables
+        rows = self._decode_rows(chosen, wanted)
+        tables = self._tables(rows.reshape(-1), len(wanted))
+        with self._lock:
+            self._decode_cache[key] = tables
+        return tables
+
+    def _decode_rows(self, chosen: tuple[int, ...], wanted: tuple[int, ...]) -> U8Array:
+        """The rows (one per wanted index, k columns) that map the chosen chunks to the wanted."""
         k = self.k
+        if k == 1:
+            return np.ones((len(wanted), 1), dtype=np.uint8)  # every chunk is a copy
         full = self._matrix.reshape(self.k + self.m, k)
         square = np.ascontiguousarray(full[list(chosen)])
         inverse = np.zeros(k * k, dtype=np.uint8)
@@ -285,10 +345,7 @@ class RSCodec:
                     for j in range(k):
                         acc ^= mul(int(coeffs[j]), int(inv[j, col]))
                     rows[r, col] = acc
-        tables = self._tables(rows.reshape(-1), len(wanted))
-        with self._lock:
-            self._decode_cache[key] = tables
-        return tables
+        return rows
 
     def _plan(self, src: tuple[int, ...], dst: tuple[int, ...], length: int) -> _Plan:
         key = (src, dst, length)

@@ -114,6 +114,7 @@ class Store:
         self.host, self.root, self.timeout = host, root, timeout
         self.socket_path = host_dir(root, job, host) / "ctl.sock"
         self._lock = threading.Lock()
+        self._stale = False  # the connection's last request timed out
         self._conn, info = self._handshake()
         self._maps: dict[str, shm.MappedFile] = {}
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
@@ -127,6 +128,8 @@ class Store:
         self._registry: Any = None
         _LIVE.add(self)
         self.daemon_host: str = info["host"]
+        # the daemon's host directory as the daemon names it: paths it gives are under it
+        self._daemon_dir: str = str(info.get("dir", self.socket_path.parent))
         self.hosts: list[str] = info["hosts"]
         self.k, self.m = int(info["k"]), int(info["m"])
 
@@ -140,6 +143,7 @@ class Store:
         """A connection on which the daemon has said hello to this job and rank, and its reply."""
         conn, reply = self._connect(hello=True)
         assert reply is not None
+        conn.sock.settimeout(self.timeout)  # a daemon that stops answering fails the call
         return conn, reply
 
     def _connect(self, hello: bool) -> tuple[control.Connection, dict[str, Any] | None]:
@@ -152,8 +156,12 @@ class Store:
         while True:
             conn = None
             try:
-                conn = control.connect(self.socket_path)
+                # a daemon that accepts and then says nothing (stopped) counts as none
+                conn = control.connect(
+                    self.socket_path, timeout=max(deadline - time.monotonic(), 0.1)
+                )
                 if not hello:
+                    conn.sock.settimeout(None)  # a wait for protection takes its own time
                     return conn, None
                 reply = conn.request({"op": "hello", "job": self.job, "rank": self.rank})
                 if reply is None:
@@ -196,12 +204,24 @@ class Store:
                 reply = conn.request(message)
             else:
                 with self._lock:
+                    if self._stale:  # the last request timed out: its reply may still come
+                        self._conn.close()
+                        self._conn, hello = self._handshake()
+                        self.hosts, self._stale = hello["hosts"], False
                     try:
                         if self._unleases and message.get("op") != "unlease":
                             # leases live as long as their daemon: if it is gone, so are they
                             names, self._unleases[:] = list(self._unleases), []
                             self._conn.request({"op": "unlease", "buffers": names})
                         reply = self._conn.request(message)
+                    except TimeoutError as exc:
+                        self._stale = True
+                        raise DaemonUnavailableError(
+                            f"the daemon at {self.socket_path} did not answer "
+                            f"{message.get('op')!r} within {self.timeout:.0f}s (stopped, or "
+                            "stuck); nothing was changed by this call on this side. The next "
+                            "call reconnects"
+                        ) from exc
                     except (OSError, ProtocolError):
                         reply = None
                     if reply is None and message.get("op") in _RETRYABLE and not self._closed:
@@ -217,7 +237,15 @@ class Store:
             raise from_wire(reply)
         return reply
 
+    def _here(self, path: str) -> str:
+        """A path the daemon gave, as this process sees it: the daemon's host directory may be
+        mounted elsewhere here (a container, or a lab host's /dev/shm seen from outside)."""
+        if path.startswith(self._daemon_dir + "/"):
+            return str(self.socket_path.parent) + path[len(self._daemon_dir) :]
+        return path
+
     def _map(self, path: str, size: int) -> shm.MappedFile:
+        path = self._here(path)
         mf = self._maps.get(path)
         # a restarted daemon may have deleted that file and made another under its name
         if mf is None or mf.size != size or not mf.current():
@@ -421,7 +449,7 @@ class Store:
         if device is not None and str(device).startswith("cuda"):
             return self._get_to_device(reply, device)
         try:
-            mm = shm.map_private(path, max(nbytes, 1))
+            mm = shm.map_private(self._here(path), max(nbytes, 1))
         finally:
             if reply.get("temp"):
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
@@ -448,7 +476,11 @@ class Store:
         import torch
 
         path, size = reply["path"], int(reply["size"])
-        mf = self._map(path, size) if not reply.get("temp") else shm.MappedFile(path, size)
+        mf = (
+            self._map(path, size)
+            if not reply.get("temp")
+            else shm.MappedFile(self._here(path), size)
+        )
         self._device_copier().registry.ensure(mf.array)
         table = _table(mf.array, reply)
         host = _state.unflatten_views(table["skeleton"], table["leaves"], mf.array)

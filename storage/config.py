@@ -44,6 +44,7 @@ class ServeConfig:
     metrics_addr: str = "0.0.0.0"
     peer_timeout: float = 120.0
     window: int = 64  # stripes per pipelined exchange window
+    repair: str = "chain"  # "chain": helpers add along a chain; "star": the rebuilder decodes
     encode_threads: int = 2
     persist_dir: Path | None = None  # the persistent tier: DIR/<job>/step-<step>/
     persist_every: int = 0  # persist the protected steps that are multiples of this
@@ -61,6 +62,8 @@ class ServeConfig:
             raise ConfigError(f"--memory-budget must be positive, got {self.memory_budget}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.repair not in ("chain", "star"):
+            raise ConfigError(f"--repair must be chain or star, got {self.repair!r}")
         if self.peer_timeout <= 0:
             raise ConfigError("--peer-timeout must be positive")
         if self.persist_dir is not None and self.persist_every < 1:

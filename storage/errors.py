@@ -12,6 +12,7 @@ __all__ = [
     "CapacityError",
     "ConfigError",
     "DaemonUnavailableError",
+    "PeerUnreachableError",
     "PersistError",
     "SnapshotUnrecoverableError",
     "StepExistsError",
@@ -109,6 +110,19 @@ class StorageTimeoutError(StorageError, TimeoutError):
     a fetch or a repair that did not complete (a peer daemon stuck, dead or unreachable)."""
 
 
+class PeerUnreachableError(StorageError, ConnectionError):
+    """The storage job is going down: a peer daemon did not answer within ``--peer-timeout``
+    (its host's link down, its daemon stopped or dead). ``hosts`` names the silent hosts, when
+    the daemon knows them. What is protected stays on every host; relaunch the storage job."""
+
+    def __init__(self, message: str, hosts: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.hosts = hosts or []
+
+    def fields(self) -> dict[str, Any]:
+        return {"hosts": self.hosts}
+
+
 class PersistError(StorageError):
     """A step on the persistent tier is missing, incomplete or fails its checksum."""
 
@@ -125,6 +139,7 @@ _BY_NAME: dict[str, type[StorageError]] = {
         ConfigError,
         SnapshotUnrecoverableError,
         PersistError,
+        PeerUnreachableError,
         StorageTimeoutError,
     )
 }

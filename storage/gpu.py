@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from storage.errors import StorageError
-from storage.state import Leaf, _torch_dtype
+from storage.state import _torch_dtype
+from storage.table import Leaf
 
 __all__ = ["CudaRegistrar", "DeviceCopier", "HostRegistry", "Registrar"]
 

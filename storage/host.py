@@ -33,7 +33,7 @@ from codec import RSCodec
 from storage import recovery
 from storage.catalog import Catalog, StepRec, StepState
 from storage.config import ServeConfig, host_dir
-from storage.errors import ConfigError, StorageTimeoutError
+from storage.errors import ConfigError, PeerUnreachableError, StorageTimeoutError
 from storage.faults import Hooks
 from storage.metrics import Latencies
 from storage.placement import Group, StripeLayout, default_km, make_groups
@@ -121,6 +121,7 @@ class Host:
         self.hooks = hooks
         self.pool: Pool = hooks.make_pool(self.dir, config.memory_budget)
         self.links = hooks.make_links(comm, config.peer_timeout, self.name)
+        self.links.name = "job"
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, Local] = {}
         self.events: list[Event] = []  # this host's events for the next round
@@ -137,6 +138,8 @@ class Host:
         self.rounds = 0  # rounds completed (every daemon finished the previous one's work)
         self.trace = bool(os.environ.get("ECSNAP_TRACE"))
         self.health = "starting"
+        self.fatal: PeerUnreachableError | None = None  # the job is going down: why
+        self.unreachable: list[str] = []  # hosts whose daemons did not answer
         self.missing_slots: set[int] = set()
         self.degraded_stripes = 0
         self.errors: dict[str, int] = {}  # refused requests by error class
@@ -160,6 +163,7 @@ class Host:
         g = self.group
         gcomm = self.comm.Split(g.index, g.position(self.slot))
         self.glinks = self.hooks.make_links(gcomm, self.config.peer_timeout, self.name)
+        self.glinks.name = "group"
         self.catalog.group = g
         self.catalog.hosts = self.hosts
 
@@ -218,6 +222,8 @@ class Host:
         deadline = time.monotonic() + timeout
         with self.cond:
             while not ready():
+                if self.fatal is not None:
+                    raise self.fatal
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StorageTimeoutError(f"{what} did not happen within {timeout:.0f}s")
@@ -337,6 +343,35 @@ class Host:
 
     # -- health and latencies ----------------------------------------------------------------------
 
+    def going_down(self, exc: Any) -> PeerUnreachableError:
+        """A wait on peers timed out (``exc``, a PeerTimeoutError): name the silent hosts (the
+        peers of the messages that did not complete; after a collective, those that do not
+        answer a ping), tell every waiting trainer why, and record it in ``health.json`` before
+        the job aborts."""
+        g = self.group
+        peers, links = exc.peers, exc.links
+        if not peers:  # a collective: ask every daemon directly, briefly
+            peers, links = self.links.silent_peers(min(3.0, self.config.peer_timeout)), "job"
+        hosts = self.hosts or [f"rank {r}" for r in range(self.nslots)]
+        if links == "group":
+            silent = [hosts[g.slots[p]] for p in peers if p < len(g.slots)]
+        else:
+            silent = [hosts[self.slot_of_rank[p]] for p in peers if p < self.nslots]
+        self.unreachable = silent
+        who = f"host(s) {', '.join(silent)}" if silent else "a peer daemon"
+        err = PeerUnreachableError(
+            f"the storage job is going down: {who} did not answer within "
+            f"{self.config.peer_timeout:.0f}s (a link down, a daemon stopped or dead); what is "
+            "protected stays on every host: relaunch the storage job, then put again",
+            silent,
+        )
+        with self.cond:
+            self.fatal = err
+            self.health = "unreachable peer"
+            self.cond.notify_all()
+        self.write_health()
+        return err
+
     def write_health(self) -> None:
         """``health.json`` in the host directory: what ``ecsnap status`` shows while the job is
         down (written atomically, mode 0600)."""
@@ -349,6 +384,7 @@ class Host:
                 "pid": os.getpid(),
                 "time": time.time(),
                 "rebuilt_chunks": self.stats["rebuilt_chunks"],
+                "unreachable": self.unreachable,
                 "lost_steps": sorted(
                     s for s, r in self.catalog.steps.items() if r.state == StepState.LOST
                 ),

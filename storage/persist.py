@@ -30,7 +30,7 @@ import numpy as np
 
 from codec.checksum import checksum
 from storage.errors import PersistError
-from storage.state import Leaf
+from storage.table import Leaf
 
 __all__ = [
     "FORMAT",

@@ -13,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,14 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         "default 120)",
     )
     p.add_argument(
+        "--repair",
+        choices=("chain", "star"),
+        default="chain",
+        help="how a lost chunk is rebuilt: chain (default; the helpers add their scaled chunks "
+        "along a chain and the rebuilding host receives one chunk per lost chunk) or star "
+        "(k chunks sent to the rebuilding host, which decodes)",
+    )
+    p.add_argument(
         "--persist-dir",
         default=None,
         help="the persistent tier, a directory every host sees: protected steps also go to "
@@ -146,6 +155,7 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         metrics_port=a.metrics_port,
         metrics_addr=a.metrics_addr,
         peer_timeout=a.peer_timeout,
+        repair=a.repair,
         persist_dir=Path(a.persist_dir).resolve() if a.persist_dir else None,
         persist_every=a.persist_every,
         persist_keep=a.persist_keep,
@@ -188,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(2)
         return 2
     except PeerTimeoutError as exc:
-        log(daemon.host.name, f"{exc}")
+        told = daemon.host.going_down(exc)
+        log(daemon.host.name, f"{exc}; {told}")
+        time.sleep(0.5)  # the trainers' waits hear why before the job goes
+        # MPI_Abort asks the process manager to end the job; with a host cut off, that request
+        # can spin for good inside MPI, holding the GIL (seen on the lab). The kernel's default
+        # action for SIGALRM ends the process then, with no Python needed.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(5)
         comm.Abort(3)
         return 3
     finally:

@@ -27,6 +27,7 @@ from storage.errors import (
     StepExistsError,
     StepNotFoundError,
     StorageError,
+    StorageTimeoutError,
     from_wire,
     to_wire,
 )
@@ -130,6 +131,7 @@ class Service:
             "k": h.group.k,
             "m": h.group.m,
             "chunk_bytes": h.config.chunk_bytes,
+            "dir": str(h.dir),
         }
 
     def _op_alloc(self, msg: AllocRequest, conn: int) -> dict[str, Any]:
@@ -202,7 +204,9 @@ class Service:
     def _op_wait(self, msg: WaitRequest, conn: int) -> dict[str, Any]:
         h = self.host
         step = msg["step"]
-        timeout = float(msg["timeout"] or h.config.peer_timeout)
+        # a round stalled by a peer is given up after the peer timeout, and naming the silent
+        # hosts takes up to 3 s more: wait past both, so that the waiter hears why
+        timeout = float(msg["timeout"] or 2 * h.config.peer_timeout + 5.0)
         outcome: dict[str, Any] = {}
 
         def settled() -> bool:
@@ -223,8 +227,10 @@ class Service:
 
         try:
             h.wait_for(settled, timeout, f"the protection of step {step}")
-        except StorageError as exc:
-            raise type(exc)(f"{exc}; the storage job may be stuck or a rank never put it") from exc
+        except StorageTimeoutError as exc:
+            raise StorageTimeoutError(
+                f"{exc}; the storage job may be stuck or a rank never put it"
+            ) from exc
         if "error" in outcome:
             raise outcome["error"]
         h.after_next_round()  # every host has written its manifest

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import base64
 import collections
-import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from storage.errors import UnsupportedTypeError
+from storage.table import ALIGN, Leaf, pack_table, table_place
 
 __all__ = [
     "Leaf",
@@ -39,49 +38,8 @@ __all__ = [
     "unflatten_views",
 ]
 
-ALIGN = 64
 _PARALLEL_MIN = 32 << 20  # below this one thread copies faster than two
 _PIECE = 16 << 20
-
-
-@dataclass
-class Leaf:
-    """One tensor or array of a shard: where its bytes go and what they are."""
-
-    kind: str  # "torch" | "numpy"
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    source: Any = None  # the object to copy from (put side only)
-    requires_grad: bool = False
-    device: str = "cpu"
-
-    def meta(self) -> dict[str, Any]:
-        out = {
-            "k": self.kind,
-            "dt": self.dtype,
-            "sh": self.shape,
-            "o": self.offset,
-            "n": self.nbytes,
-        }
-        if self.requires_grad:
-            out["rg"] = True
-        if self.device != "cpu":
-            out["dev"] = self.device
-        return out
-
-    @staticmethod
-    def from_meta(meta: dict[str, Any]) -> Leaf:
-        return Leaf(
-            kind=meta["k"],
-            dtype=meta["dt"],
-            shape=list(meta["sh"]),
-            offset=meta["o"],
-            nbytes=meta["n"],
-            requires_grad=bool(meta.get("rg", False)),
-            device=str(meta.get("dev", "cpu")),
-        )
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -211,19 +169,6 @@ def flatten(state: Any) -> tuple[Any, list[Leaf], int]:
     f = _Flattener()
     skeleton = f.node(state, "")
     return skeleton, f.leaves, f.offset
-
-
-def pack_table(skeleton: Any, leaves: list[dict[str, Any]]) -> bytes:
-    """A shard's tensor table: its skeleton and every leaf's dtype, shape and offset, as JSON.
-    It is stored in the shard's own bytes, after the leaves (see :func:`table_place`)."""
-    return json.dumps({"skeleton": skeleton, "leaves": leaves}, separators=(",", ":")).encode()
-
-
-def table_place(data_nbytes: int, table_nbytes: int) -> tuple[int, int]:
-    """(offset of the table, bytes of the whole shard) for a shard whose leaves take
-    ``data_nbytes``: the table starts at the next 64-byte boundary."""
-    off = -(-data_nbytes // ALIGN) * ALIGN
-    return off, off + table_nbytes
 
 
 def _source_bytes(leaf: Leaf) -> np.ndarray[Any, Any]:

@@ -2,8 +2,10 @@
 
 Asks each host's daemon when it runs; when it does not, reads the host directory alone (health
 file and manifests), so it works while the storage job is down. Every slot of the job's layout
-is listed, a slot whose host directory is gone as ``missing`` (a lost host, until a replacement
-takes the slot). Many steps are shown as a count, a range and the newest few; ``--json`` gives
+is listed: where this machine holds every host's directory (virtual hosts), a slot whose
+directory is gone as ``missing`` (a lost host, until a replacement takes the slot); on a cluster
+the other slots are on their own machines. A daemon that gave up on a silent peer names it
+(``UNREACHABLE``). Many steps are shown as a count, a range and the newest few; ``--json`` gives
 everything.
 """
 
@@ -59,6 +61,7 @@ def _from_files(host_dir: Path) -> dict[str, Any]:
     out["protected"] = sorted(valid)
     out["bad_manifests"] = bad
     out["lost"] = {str(s): {} for s in health.get("lost_steps", [])}
+    out["unreachable"] = health.get("unreachable", [])
     sizes = {}
     for sub in ("data", "parity"):
         d = host_dir / sub
@@ -92,10 +95,14 @@ def gather(job: str, root: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if rec.get("hosts"):
             layout = list(rec["hosts"])
             break
+    # With virtual hosts this machine holds every host's directory, and one gone is a lost host.
+    # On a cluster it holds its own: the other slots are on their machines, not missing.
+    here_all = len(found) > 1
     out = []
     for slot, name in enumerate(layout):
-        missing = {"host": name, "slot": slot, "missing": True, "running": False}
-        out.append(found.pop(name, missing))
+        absent = {"host": name, "slot": slot, "running": False}
+        absent["missing" if here_all else "elsewhere"] = True
+        out.append(found.pop(name, absent))
     out += found.values()  # not in the layout (a host of no slot yet)
     return out
 
@@ -132,6 +139,9 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
     rows = []
     notes = []
     for h in hosts:
+        if h.get("elsewhere"):
+            rows.append([str(h["slot"]), h["host"], "-", "on its machine", "-", *["-"] * 7])
+            continue
         if h.get("missing"):
             rows.append([str(h["slot"]), h["host"], "-", "MISSING", "-", *["-"] * 7])
             notes.append(
@@ -182,6 +192,15 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
     where = next((h["persist_dir"] for h in hosts if h.get("persist_dir")), None)
     if where:
         lines.append(f"persistent tier {where}: steps {steps_text(disk)}")
+    silent: dict[str, list[str]] = {}
+    for h in hosts:
+        for other in h.get("unreachable") or []:
+            silent.setdefault(other, []).append(h["host"])
+    for other, seen in sorted(silent.items()):
+        lines.append(
+            f"UNREACHABLE: {other} did not answer {', '.join(seen)} within --peer-timeout "
+            "(a link down, its daemon stopped); the storage job went down, relaunch it"
+        )
     lines += notes
     return "\n".join(lines)
 

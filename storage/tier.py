@@ -37,7 +37,7 @@ from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
 from storage.protocol import PersistFailed, ShardRecord, Staged
-from storage.state import pack_table, table_place
+from storage.table import pack_table, table_place
 from transport import shm
 
 __all__ = ["Tier"]

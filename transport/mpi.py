@@ -70,6 +70,8 @@ class Links:
         self.piece_bytes = piece_bytes
         self.poll = poll
         self.counters = Counters()
+        self._peer: dict[int, int] = {}  # id of a point-to-point request -> its peer
+        self.name = "links"  # which communicator, for errors (the daemon names its two)
 
     def wait(
         self,
@@ -88,11 +90,25 @@ class Links:
         the cores to training), or ``nap`` seconds every time (a bulk sender, whose transfer
         needs its progress often but not its whole core).
         """
-        from mpi4py import MPI
-
         if not requests:
             return
         reqs = list(requests)
+        try:
+            self._wait(reqs, what, timeout, busy, nap)
+        finally:
+            for r in reqs:
+                self._peer.pop(id(r), None)
+
+    def _wait(
+        self,
+        reqs: list[Any],
+        what: str,
+        timeout: float | None,
+        busy: bool,
+        nap: float | None,
+    ) -> None:
+        from mpi4py import MPI
+
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         sleep = self.poll if nap is None else nap
@@ -105,32 +121,61 @@ class Links:
                 if tries & 1023:
                     continue
             if time.monotonic() > deadline:
-                raise PeerTimeoutError(
-                    f"daemon {self.rank}: {what} did not complete within {limit:.1f}s; a peer "
-                    "daemon is dead or stuck. The storage job must be relaunched; state stays "
-                    "on disk."
-                )
+                raise self._timed_out(reqs, what, limit)
             if not busy:
                 time.sleep(sleep)
                 sleep = nap if nap is not None else min(sleep * 2, 0.002)
+
+    def _timed_out(self, reqs: list[Any], what: str, limit: float) -> PeerTimeoutError:
+        silent = [self._peer[id(r)] for r in reqs if id(r) in self._peer and not r.Test()]
+        exc = PeerTimeoutError(
+            f"daemon {self.rank}: {what} did not complete within {limit:.1f}s; a peer "
+            "daemon is dead, stuck or unreachable. The storage job must be relaunched; "
+            "state stays on disk.",
+            sorted(set(silent)),
+        )
+        exc.links = self.name
+        return exc
+
+    def wait_any(self, groups: dict[Any, list[Any]], what: str, nap: float) -> list[Any]:
+        """Wait until some groups of requests have all completed; remove them from ``groups``
+        and return their keys. Polls every ``nap`` seconds (yielding the core); raises
+        :class:`PeerTimeoutError` when none completes within the timeout."""
+        from mpi4py import MPI
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            done = [key for key, reqs in groups.items() if MPI.Request.Testall(reqs)]
+            if done:
+                for key in done:
+                    for r in groups.pop(key):
+                        self._peer.pop(id(r), None)
+                return done
+            if time.monotonic() > deadline:
+                raise self._timed_out([r for g in groups.values() for r in g], what, self.timeout)
+            time.sleep(nap)
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
         view = _bytes(buf)
         self.counters.sent += view.nbytes
-        return [
+        reqs = [
             self.comm.Isend([view[o : o + n], n, _byte()], dest=dest, tag=tag)
             for o, n in pieces(view.nbytes, self.piece_bytes)
         ]
+        self._peer.update((id(r), dest) for r in reqs)
+        return reqs
 
     def irecv(self, buf: Any, source: int, tag: int) -> list[Any]:
         """Post the receives into ``buf`` (writable, contiguous) from ``source``, cut as sent."""
         view = _bytes(buf)
         self.counters.received += view.nbytes
-        return [
+        reqs = [
             self.comm.Irecv([view[o : o + n], n, _byte()], source=source, tag=tag)
             for o, n in pieces(view.nbytes, self.piece_bytes)
         ]
+        self._peer.update((id(r), source) for r in reqs)
+        return reqs
 
     def allgather_json(
         self, obj: Any, what: str = "allgather", timeout: float | None = None, busy: bool = False
@@ -177,6 +222,28 @@ class Links:
         req = self.comm.Iallreduce(values, out, op=MPI.SUM if op == "sum" else MPI.MAX)
         self.counters.gathered += out.nbytes
         return [req], out
+
+    def silent_peers(self, timeout: float, tag: int = 99) -> list[int]:
+        """The ranks that do not answer a ping within ``timeout`` seconds (the failure path:
+        after a collective timed out, which cannot say who is missing). Every rank that calls
+        this pings every other and answers theirs; a rank cut off, stopped or dead does not."""
+        from mpi4py import MPI
+
+        others = [r for r in range(self.size) if r != self.rank]
+        out = np.ones(1, dtype=np.uint8)
+        inbox = {r: np.zeros(1, dtype=np.uint8) for r in others}
+        sends = [self.comm.Isend([out, 1, _byte()], dest=r, tag=tag) for r in others]
+        recvs = {r: self.comm.Irecv([inbox[r], 1, _byte()], source=r, tag=tag) for r in others}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not MPI.Request.Testall(list(recvs.values())):
+            time.sleep(0.005)
+        silent = [r for r, req in recvs.items() if not req.Test()]
+        for req in [*sends, *(recvs[r] for r in silent)]:
+            try:
+                req.Cancel()
+            except Exception:  # a send may not be cancellable once matched; the job aborts
+                pass
+        return silent
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         self.wait([self.comm.Ibarrier()], what, timeout)

@@ -225,3 +225,49 @@ def test_hypothesis_round_trip(km: tuple[int, int], size: int, data_seed: int, e
     got = rs.decode({i: c for i, c in enumerate(chunks) if i not in erased}, wanted=erased)
     for i in erased:
         np.testing.assert_array_equal(got[i], chunks[i])
+
+
+@pytest.mark.parametrize("k,m", [(1, 2), (2, 2), (3, 1), (4, 2), (6, 3)])
+def test_repair_row_spread_over_helpers_rebuilds_every_chunk(k: int, m: int) -> None:
+    """A chain repair: each helper scales its chunk by its coefficient and adds it to the partial
+    sum it received; the last sum is the lost chunk, for every target and any k sources in any
+    order (sampled for the wide shapes)."""
+    rs = RSCodec(k, m)
+    rng = np.random.default_rng(k * 10 + m)
+    size = 4096 + 33
+    data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(k)]
+    chunks = data + rs.encode(data)
+    n = k + m
+    for target in range(n):
+        others = [i for i in range(n) if i != target]
+        combos = list(itertools.combinations(others, k))
+        for sources in combos[:: max(1, len(combos) // 8)]:
+            order = list(rng.permutation(sources))
+            row = rs.repair_row(order, target)
+            assert row.shape == (k,)
+            acc = None
+            for coeff, i in zip(row, order, strict=True):
+                out = np.empty(size, dtype=np.uint8)
+                rs.scale_add(int(coeff), chunks[i], out, acc)
+                acc = out
+            assert acc is not None and np.array_equal(acc, chunks[target]), (target, order)
+
+
+def test_repair_row_and_scale_add_reject_bad_input() -> None:
+    rs = RSCodec(3, 1)
+    with pytest.raises(InvalidParamsError, match="distinct sources without the target"):
+        rs.repair_row([0, 1, 1], 3)
+    with pytest.raises(InvalidParamsError, match="distinct sources without the target"):
+        rs.repair_row([0, 1, 2], 2)
+    with pytest.raises(InvalidParamsError, match="outside"):
+        rs.repair_row([0, 1, 9], 3)
+    with pytest.raises(InvalidParamsError, match=r"0\.\.255"):
+        rs.scale_add(256, bytes(8), bytearray(8))
+    with pytest.raises(ChunkSizeMismatchError):
+        rs.scale_add(3, bytes(8), bytearray(9))
+    # coefficient 1 with nothing to add is a copy; 0 gives zeros
+    out = bytearray(8)
+    rs.scale_add(1, bytes(range(8)), out)
+    assert bytes(out) == bytes(range(8))
+    rs.scale_add(0, bytes(range(8)), out, bytes(8))
+    assert bytes(out) == bytes(8)
