@@ -185,15 +185,14 @@ class Trial:
             finally:
                 lab.link(h, "up")
         elif self.fault == "slow-link@put":
-            before = _overlimits(lab, h)
-            lab.rate(h, LINK_GBIT / 100)
+            lab.rate(h, LINK_GBIT / 100)  # a new shaper: its counters start at 0
             try:
                 if any(self.put(3)):
                     self.problems.append("a put over a slowed link failed")
+                if _overlimits(lab, h) > 0:  # the slowed shaper held packets back
+                    self.fired += 1
             finally:
                 lab.rate(h, LINK_GBIT)
-            if _overlimits(lab, h) > before:
-                self.fired += 1
             if any(self.put(4)):  # the job carries on
                 self.problems.append("a put after the link came back failed")
         elif self.fault == "sigstop":
@@ -233,12 +232,15 @@ class Trial:
             self.job.kill()
             for p in lab.shm(h).iterdir():
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
-            helper = rng.choice([i for i in range(HOSTS) if i != h])
-            sender = rng.choice([i for i in range(HOSTS) if i != h])
+            # a helper's link goes down while another helper's first bulk send of the rebuild
+            # is held (whose line reaches the log: the cut-off host's output cannot)
+            helper, sender = rng.sample([i for i in range(HOSTS) if i != h], 2)
             spec = f"delay@send:host={lab.hosts[sender]}:nth=1:seconds=3"
             job = self.start(env={"ECSNAP_FAULTS": spec}, ready=False)
             if not job.logged("adoption: rebuilding step", 60):
                 self.problems.append("the relaunch did not start rebuilding")
+            if not job.logged("injected fault", 30):
+                self.problems.append("the rebuild's send was not held")
             lab.link(helper, "down")
             try:
                 down = all(job.gone(i, PEER_TIMEOUT * 4) for i in range(HOSTS) if i != helper)

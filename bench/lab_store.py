@@ -6,9 +6,11 @@ slower than what the two cores here can push over veth, so the links are the bot
 figures say what a network costs). One trainer rank per host holds a quarter of the state and
 connects to its host's daemon through that host's /dev/shm.
 
-Schemes, one after the other on the same links: RS(3,1), RS(2,2), 2-way replication (RS(1,1))
-and 3-way replication (RS(1,2)); then RS(3,1) again rebuilding the old way (``--repair star``:
-the k helpers send their chunks to the rebuilding host), for the repair-traffic comparison.
+Schemes, one after the other on links of the same rate: RS(3,1), RS(2,2), 2-way replication
+(RS(1,1)) and RS(3,1) again rebuilding the old way (``--repair star``: the k helpers send their
+chunks to the rebuilding host), for the repair-traffic comparison; then 3-way replication
+(RS(1,2)) on a lab of 3 hosts (a group is k+m hosts, and 3 does not divide 4) holding 3/4 of the
+state, so that every host holds and moves the same blob as in the 4-host schemes.
 Each: warm-up puts, then measured puts (put->protected, the slowest rank), then host losses (the
 job killed, one host's /dev/shm emptied, the job relaunched: it rebuilds every kept step of that
 host before it is healthy; then that rank's get, checked bit-exact).
@@ -44,6 +46,11 @@ SCHEMES = [  # (label, k, m, repair)
 ]
 
 
+def _hosts(scheme: tuple[str, int, int, str]) -> int:
+    """4 hosts, but 3-way replication runs on 3 (a group is k+m hosts and must divide them)."""
+    return 3 if scheme[1] + scheme[2] == 3 else HOSTS
+
+
 def _busiest(before: list[dict[str, int]], after: list[dict[str, int]]) -> int:
     return max(after[i][d] - before[i][d] for i in range(len(after)) for d in after[i])
 
@@ -63,12 +70,13 @@ def _phase(
     job = f"lab{label}{uuid.uuid4().hex[:4]}"
     extra = ["--k", str(k), "--m", str(m), "--repair", repair, "--keep", "2"]
     daemons = LabJob(lab, job, extra, peer_timeout=120.0)
-    places = [(lab.hosts[i], daemons.root(i)) for i in range(HOSTS)]
+    n = len(lab.hosts)
+    places = [(lab.hosts[i], daemons.root(i)) for i in range(n)]
     workers = None
     med: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     try:
-        workers = Workers(job, None, nbytes, ntensors, HOSTS, places=places)
+        workers = Workers(job, None, nbytes, ntensors, n, places=places)
         blob = max(r["nbytes"] for r in workers.ready)
         for r in range(warmup + repeats):
             step = r + 1
@@ -85,7 +93,7 @@ def _phase(
             if r >= warmup:
                 samples.setdefault("put_protected", []).append(t)
                 samples.setdefault("put_busiest_link_bytes", []).append(_busiest(link0, link1))
-                for i in range(HOSTS):
+                for i in range(n):
                     samples.setdefault("put_link_from_host_bytes", []).append(
                         link1[i]["from_host"] - link0[i]["from_host"]
                     )
@@ -95,7 +103,7 @@ def _phase(
             print(f"{label} put {step}: protected in {t:.3f}s", file=sys.stderr)
         last = warmup + repeats
         for i in range(losses):
-            lost = 1 + i % (HOSTS - 1)
+            lost = 1 + i % (n - 1)
             held = workers.all({"op": "info"})[lost]
             lost_bytes = held["data_bytes"] + held["parity_bytes"]  # every kept step's
             daemons.kill()
@@ -156,7 +164,7 @@ def _phase(
         if workers is not None:
             workers.close()
         daemons.stop()
-        for i in range(HOSTS):
+        for i in range(n):
             shutil.rmtree(daemons.root(i) / job, ignore_errors=True)
     return med
 
@@ -175,16 +183,18 @@ def run(
          "losses": losses, "keep": 2},
     )  # fmt: skip
     janitor()
-    lab = Lab.up(HOSTS, link_gbit=gbit)
     meds: dict[str, dict[str, float]] = {}
-    try:
-        for scheme in SCHEMES:
-            if only and scheme[0] not in only:
-                continue
-            rounds = (warmup, repeats if scheme[3] == "chain" else 2, losses)
-            meds[scheme[0]] = _phase(lab, rec, scheme, nbytes, 200, rounds, gbit)
-    finally:
-        lab.down()
+    for hosts in (HOSTS, 3):
+        lab = Lab.up(hosts, link_gbit=gbit)
+        try:
+            for scheme in SCHEMES:
+                if (only and scheme[0] not in only) or _hosts(scheme) != hosts:
+                    continue
+                rounds = (warmup, repeats if scheme[3] == "chain" else 2, losses)
+                size = nbytes * hosts // HOSTS  # every host holds the same blob
+                meds[scheme[0]] = _phase(lab, rec, scheme, size, 200, rounds, gbit)
+        finally:
+            lab.down()
     rows = []
     for label, med in meds.items():
         rows.append(

@@ -443,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--link-gbit", type=float, default=2.0, help="with --lab: each host's link rate"
     )
+    parser.add_argument(
+        "--schemes",
+        nargs="*",
+        default=None,
+        help="with --lab: only these (rs31 rs22 repl2 rs31_star repl3)",
+    )
     args = parser.parse_args(argv)
     if args.lab:
         from bench import lab_store
@@ -452,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             nbytes=args.bytes or ((256 << 20) if args.quick else 1_500_000_000),
             repeats=args.repeats or (2 if args.quick else 5),
             losses=1 if args.quick else 2,
+            only=args.schemes,
         )
         return 0
     run(

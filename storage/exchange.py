@@ -25,6 +25,7 @@ from storage.protocol import Prepared, Stored
 __all__ = ["TAG_DATA", "TAG_PARITY", "Exchange"]
 
 TAG_DATA, TAG_PARITY = 11, 12
+NET_NAP = 2e-4  # a bulk wait's sleep between polls when the bytes come over a network
 
 
 class Exchange:
@@ -83,6 +84,7 @@ class Exchange:
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
+        nap = None if h.spin else NET_NAP
         t_encode = 0.0
 
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
@@ -128,7 +130,7 @@ class Exchange:
                     parity_reqs += links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
             if w0 == 0:
                 h.phase("sending")
-            links.wait(data_reqs, f"data exchange of step {rec.step}", busy=True)
+            links.wait(data_reqs, f"data exchange of step {rec.step}", busy=h.spin, nap=nap)
             for s in mine_to_encode:
                 row0 = (s - w0) * k
                 outs = [parity_row(s)]
@@ -140,7 +142,7 @@ class Exchange:
                 ppos = layout.parity_positions(s)
                 for i in range(1, m):
                     parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
-            links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=True)
+            links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=h.spin, nap=nap)
         encoded_stripes = (
             0
             if replicate

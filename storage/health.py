@@ -61,4 +61,5 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             metrics_port=metrics_port,
             persist_dir=str(tier.root) if tier.root else None,
             persisted=persisted,
+            unreachable=list(h.unreachable),
         )

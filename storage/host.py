@@ -137,6 +137,11 @@ class Host:
         self.stopping = False
         self.rounds = 0  # rounds completed (every daemon finished the previous one's work)
         self.trace = bool(os.environ.get("ECSNAP_TRACE"))
+        # Virtual hosts share one machine, and MPICH moves their bytes through shared memory,
+        # which needs the receiver's polls: a bulk wait spins there. Between real hosts the
+        # bytes come over a network that needs no polling to arrive: a bulk wait naps, and the
+        # cores go to the kernel's network stack and the encoder instead.
+        self.spin = config.virtual_hosts is not None
         self.health = "starting"
         self.fatal: PeerUnreachableError | None = None  # the job is going down: why
         self.unreachable: list[str] = []  # hosts whose daemons did not answer

@@ -522,6 +522,7 @@ class Snapshot:
     metrics_port: int | None
     persist_dir: str | None
     persisted: list[int] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)  # hosts whose daemons fell silent
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -192,11 +192,13 @@ class Repairer:
         t_wait = t_dec = 0.0
         t_start = time.monotonic()
         outbox = h.scratch("send", window, cb)
-        for w0 in range(0, len(chain), window):
+        # a chain window holds two rows a stripe (the partial sum received, and a short own
+        # chunk padded), not k + 1: twice the stripes in flight for RS(3,1) in the same memory
+        cwin = max(1, min(h.config.window, _REPAIR_ROWS // (2 * cb)))
+        chain_out = h.scratch("send", cwin, cb) if chain else outbox
+        for w0 in range(0, len(chain), cwin):
             tw = time.monotonic()
-            rebuilt += self._chain_window(
-                rec, layout, plan, chain[w0 : w0 + window], outbox, window
-            )
+            rebuilt += self._chain_window(rec, layout, plan, chain[w0 : w0 + cwin], chain_out, cwin)
             t_wait += time.monotonic() - tw
 
         def decode(jobs: list[tuple[int, int, int, dict[int, Any]]], scratch: Any) -> None:
@@ -222,7 +224,12 @@ class Repairer:
                 tw = time.monotonic()
                 try:
                     # a decoding host spins (its polls copy the bytes in); a sender naps
-                    h.gl.wait(reqs, f"repair of step {rec.step}", busy=bool(jobs), nap=SENDER_NAP)
+                    h.gl.wait(
+                        reqs,
+                        f"repair of step {rec.step}",
+                        busy=h.spin and bool(jobs),
+                        nap=SENDER_NAP,
+                    )
                 finally:
                     t_wait += time.monotonic() - tw
                     if decoding is not None:

@@ -117,11 +117,22 @@ def test_playbook_on_hosts_that_are_apart(lab: Lab) -> None:
         _check(stores, [1, 2])
         # one host lost whole, rebuilt from its group; then another of the group
         for lost in (1, 2):
+            held = stores[lost].info()
+            lost_bytes = held["data_bytes"] + held["parity_bytes"]
             _close(stores)
             job.kill()
             _wipe(lab, lost)
+            link0 = lab.link_bytes()
             job = _job(lab, name)
             stores = job.stores(4)
+            deadline = time.monotonic() + 60
+            while stores[lost].info()["health"] != "healthy":
+                assert time.monotonic() < deadline, stores[lost].info()
+                time.sleep(0.1)
+            # the chain repair: about one copy of what was lost crosses the replacement's link
+            # (a decode at the replacement would take k = 3 copies)
+            into = lab.link_bytes()[lost]["to_host"] - link0[lost]["to_host"]
+            assert lost_bytes < into < 2 * lost_bytes, (into, lost_bytes)
             _check(stores, [1, 2], reader=lost)
             info = stores[lost].info()
             assert info["stats"]["rebuilt_chunks"] > 0 and info["stats"]["missing_chunks"] > 0
@@ -220,6 +231,7 @@ def test_network_faults_link_down_slow_link_and_a_stopped_daemon(lab: Lab) -> No
         spec = {"ECSNAP_FAULTS": f"delay@send:host={lab.hosts[0]}:nth=1:seconds=3"}
         job = _job(lab, name, env=spec, ready=False)
         assert job.logged("adoption: rebuilding step", 60), job.log.read_text()
+        assert job.logged("injected fault: delay@send", 30), job.log.read_text()  # it fired
         lab.link(3, "down")
         assert job.gone(0, PEER_TIMEOUT * 4), job.log.read_text()[-3000:]
         job.kill()
