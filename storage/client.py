@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -29,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from storage import discovery
 from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
+from storage.gpu import to_device
 from transport import control, shm
 from transport.errors import ProtocolError
 
@@ -39,14 +40,6 @@ __all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
 
 # requests a restarted daemon can answer as well as the one that died
 _RETRYABLE = frozenset({"hello", "alloc", "get", "steps", "status", "info", "delete"})
-
-
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return None
 
 
 @dataclass(frozen=True)
@@ -175,7 +168,7 @@ class Store:
                     conn.close()
                 last = exc
             if time.monotonic() >= deadline:
-                live = _answering(self.socket_path.parent.parent)
+                live = discovery.answering(self.socket_path.parent.parent)
                 raise DaemonUnavailableError(
                     f"no ecsnap daemon for job {self.job!r} on host {self.host!r} answered at "
                     f"{self.socket_path} within {self.timeout:.0f}s ({last}); "
@@ -447,7 +440,7 @@ class Store:
         reply = self._request({"op": "get", "step": step, "rank": rank})
         path, nbytes = reply["path"], int(reply["nbytes"])
         if device is not None and str(device).startswith("cuda"):
-            return self._get_to_device(reply, device)
+            return self._getto_device(reply, device)
         try:
             mm = shm.map_private(self._here(path), max(nbytes, 1))
         finally:
@@ -472,7 +465,7 @@ class Store:
         leaves = [_state.Leaf.from_meta(m) for m in reply["meta"]["leaves"]]
         return int(reply["step"]), _state.build(reply["meta"]["skeleton"], leaves)
 
-    def _get_to_device(self, reply: dict[str, Any], device: Any) -> Any:
+    def _getto_device(self, reply: dict[str, Any], device: Any) -> Any:
         import torch
 
         path, size = reply["path"], int(reply["size"])
@@ -484,7 +477,7 @@ class Store:
         self._device_copier().registry.ensure(mf.array)
         table = _table(mf.array, reply)
         host = _state.unflatten_views(table["skeleton"], table["leaves"], mf.array)
-        out = _to_device(host, torch.device(device))
+        out = to_device(host, torch.device(device))
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(torch.cuda.current_stream(torch.device(device)))
 
@@ -598,21 +591,6 @@ def _say_what_was_abandoned() -> None:
             )
 
 
-def _to_device(obj: Any, device: Any) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        t = obj.to(device, non_blocking=True)
-        return t.requires_grad_(True) if obj.requires_grad else t
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
-
-
 def connect(
     job: str | None = None,
     *,
@@ -641,75 +619,15 @@ def connect(
         raise StorageError("no job name: pass job= or set ECSNAP_JOB")
     check_name("job", job)
     if rank is None:
-        rank = _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+        rank = discovery.env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
     if world_size is None:
-        world_size = _env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        world_size = discovery.env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
     if rank is None or world_size is None:
         raise StorageError("rank and world_size unknown: pass them or set RANK and WORLD_SIZE")
     if not 0 <= rank < world_size:
         raise StorageError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
     root_path = Path(root or os.environ.get("ECSNAP_ROOT") or DEFAULT_ROOT)
     start = time.monotonic()
-    host = _host_of(job, root_path, rank, host or os.environ.get("ECSNAP_HOST"), timeout)
+    host = discovery.host_of(job, root_path, rank, host or os.environ.get("ECSNAP_HOST"), timeout)
     left = max(timeout - (time.monotonic() - start), 0.1)
     return Store(job, rank=rank, world_size=world_size, host=host, root=root_path, timeout=left)
-
-
-# a job directory appears within a second or two of the daemons' launch; past this, a job that
-# has no directory never ran here (a typo, or another --root)
-_NEW_JOB_GRACE = 5.0
-
-
-def _host_of(job: str, root: Path, rank: int, given: str | None, timeout: float) -> str:
-    """The host whose daemon rank ``rank`` talks to: ``given`` (``host=`` or ``ECSNAP_HOST``),
-    else this machine's hostname, else, on a machine whose daemons run ``--virtual-hosts``,
-    virtual host ``rank % H`` in the order the daemons name them. Waits (within ``timeout``)
-    for the job's directory; fails fast, naming the jobs under ``root``, when none appears."""
-    if given:
-        check_name("host", given)
-    machine = socket.gethostname().split(".")[0]
-    job_dir = root / job
-    deadline = time.monotonic() + timeout
-    grace = time.monotonic() + min(timeout, _NEW_JOB_GRACE)
-    while True:
-        if job_dir.is_dir():
-            if given:
-                return given
-            if (job_dir / machine).is_dir():
-                return machine
-            try:
-                names = json.loads((job_dir / "virtual-hosts.json").read_text())["hosts"]
-                return check_name("host", str(names[rank % len(names)]))
-            except (OSError, ValueError, KeyError, IndexError, TypeError):
-                pass  # not a virtual-host job, or its daemons are still starting
-        elif time.monotonic() >= grace:
-            jobs = _jobs(root)
-            raise DaemonUnavailableError(
-                f"no ecsnap daemon of job {job!r} has run under {root} (no {job_dir}); "
-                + (f"jobs there: {', '.join(jobs)} (a typo?); " if jobs else "no job ran there; ")
-                + f"start it with `mpiexec -n HOSTS ecsnap serve --job {job}`, or point "
-                "ECSNAP_ROOT (root=) at the daemons' --root"
-            )
-        if time.monotonic() >= deadline:
-            return given or machine  # the Store says what it finds there
-        time.sleep(0.05)
-
-
-def _jobs(root: Path) -> list[str]:
-    """Names of the job directories under ``root``."""
-    try:
-        return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*/health.json")))
-    except OSError:
-        return []
-
-
-def _answering(job_dir: Path) -> list[str]:
-    """Hosts under ``job_dir`` whose daemon accepts a connection now."""
-    live = []
-    for sock in sorted(job_dir.glob("*/ctl.sock")):
-        try:
-            control.connect(sock, timeout=0.2).close()
-        except OSError:
-            continue
-        live.append(sock.parent.name)
-    return live

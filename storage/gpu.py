@@ -29,7 +29,7 @@ from storage.errors import StorageError
 from storage.state import _torch_dtype
 from storage.table import Leaf
 
-__all__ = ["CudaRegistrar", "DeviceCopier", "HostRegistry", "Registrar"]
+__all__ = ["CudaRegistrar", "DeviceCopier", "HostRegistry", "Registrar", "to_device"]
 
 
 class Registrar(Protocol):
@@ -137,3 +137,18 @@ class DeviceCopier:
                 event.record(side)
                 done.append(event)
         return done
+
+
+def to_device(obj: Any, device: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.to(device, non_blocking=True)
+        return t.requires_grad_(True) if obj.requires_grad else t
+    if isinstance(obj, dict):
+        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [to_device(v, device) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(to_device(v, device) for v in obj)
+    return obj
