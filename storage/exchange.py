@@ -77,10 +77,19 @@ class Exchange:
         rank_at = list(range(len(g.slots)))  # group position -> rank on the group's links
         rs = h.codec(k, m)
         parity = h.pool.get(loc.parity).file.array if loc.parity else None
-        window = h.config.window
-        data_scratch = h.scratch("data", window * k, cb)
-        out_scratch = h.scratch("out", window * max(m - 1, 1) + 1, cb)
-        outbox = h.scratch("send", window, cb)
+        # Two half windows in flight: the next one's data moves while this one is encoded and
+        # its parity sent, so the links never idle between windows (an idle TCP connection
+        # starts slow again). Each half has its own rows; a half's rows are reused only after
+        # its parity has gone out.
+        window = max(1, h.config.window // 2)
+        sets = [
+            (
+                h.scratch(f"data{i}", window * k, cb),
+                h.scratch(f"out{i}", window * max(m - 1, 1) + 1, cb),
+                h.scratch(f"send{i}", window, cb),
+            )
+            for i in range(2)
+        ]
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
@@ -100,12 +109,13 @@ class Exchange:
             i = layout.parity_slot(pos, s)
             return parity[i * cb : (i + 1) * cb]
 
-        for w0 in range(0, layout.stripes, window):
-            stripes = range(w0, min(w0 + window, layout.stripes))
+        def post(w0: int) -> tuple[list[Any], list[Any], list[int]]:
+            """Post window ``w0``'s data sends and receives and its parity receives."""
+            data_scratch, _, outbox = sets[(w0 // window) % 2]
             data_reqs: list[Any] = []
             parity_reqs: list[Any] = []
             mine_to_encode = []
-            for s in stripes:
+            for s in range(w0, min(w0 + window, layout.stripes)):
                 ppos = layout.parity_positions(s)
                 encoder = ppos[0]
                 for j in range(k):
@@ -128,9 +138,20 @@ class Exchange:
                         data_reqs += receive_data(s, j, data_scratch[row0 + j])
                 elif pos in ppos and parity is not None:
                     parity_reqs += links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
-            if w0 == 0:
-                h.phase("sending")
+            return data_reqs, parity_reqs, mine_to_encode
+
+        # Pairs post each tag's messages in stripe order on both sides (the next window's data
+        # after this one's, parity sends after their encode), so MPI's non-overtaking rule
+        # still matches them without per-stripe tags.
+        starts = list(range(0, layout.stripes, window))
+        posted = post(0) if starts else ([], [], [])
+        h.phase("sending")
+        for wi, w0 in enumerate(starts):
+            data_reqs, parity_reqs, mine_to_encode = posted
+            data_scratch, out_scratch, _ = sets[wi % 2]
             links.wait(data_reqs, f"data exchange of step {rec.step}", busy=h.spin, nap=nap)
+            if wi + 1 < len(starts):
+                posted = post(starts[wi + 1])  # its rows were freed by window wi - 1
             for s in mine_to_encode:
                 row0 = (s - w0) * k
                 outs = [parity_row(s)]
