@@ -37,7 +37,7 @@ from typing import Any
 
 from bench import lab_faults
 from bench._common import RESULTS, Recorder, exit_on_sigterm, table
-from bench.harness import Cluster, make_state, same
+from bench.harness import Cluster, close_all, make_state, same
 from bench.lab import Lab
 from bench.lab_faults import NET_FAULTS
 from storage.errors import StorageError
@@ -141,12 +141,7 @@ class Job:
         self.stores = self.cluster.stores(HOSTS, timeout=CLIENT_TIMEOUT)
 
     def close_stores(self) -> None:
-        for s in self.stores:
-            try:
-                s.close()
-            except Exception:
-                pass
-        self.stores = []
+        close_all(self.stores)
 
     def put(self, step: int, problems: list[str]) -> bool:
         """All ranks put ``step``; True if every rank saw it protected."""

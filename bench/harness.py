@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["REPO", "Cluster", "assert_same", "make_state", "nbytes_of", "same"]
+__all__ = [
+    "REPO", "Cluster", "assert_same", "close_all", "make_state", "nbytes_of", "same", "terminate",
+]  # fmt: skip
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,19 +174,35 @@ class Cluster:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if not terminate(self.proc, timeout):
+            self.kill()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def terminate(proc: subprocess.Popen[str], timeout: float) -> bool:
+    """SIGTERM ``proc``'s process group and wait; False if it is still running after ``timeout``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
+def close_all(stores: list[Any]) -> None:
+    """Close every Store, whatever state its daemon is in (a fault may have taken it)."""
+    for s in stores:
+        try:
+            s.close()
+        except Exception:
+            pass
+    stores.clear()
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:

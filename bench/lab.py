@@ -416,12 +416,10 @@ class LabJob:
             return None
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        from bench.harness import terminate
+
+        if not terminate(self.proc, timeout):
+            self.kill()
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -29,9 +29,10 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO, make_state, same
+from bench.harness import REPO, close_all, make_state, same
 from bench.lab import Lab, LabJob
 
 NET_FAULTS = ["link-down@put", "link-down@rebuild", "slow-link@put", "sigstop"]
@@ -63,7 +64,7 @@ def _overlimits(lab: Lab, i: int) -> int:
 
 def _stopped(pid: int) -> bool:
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
     except OSError:
         return False
 
@@ -96,12 +97,7 @@ class Trial:
         self.stores = self.job.stores(HOSTS, timeout=CLIENT_TIMEOUT)
 
     def close(self) -> None:
-        for s in self.stores:
-            try:
-                s.close()
-            except Exception:
-                pass
-        self.stores = []
+        close_all(self.stores)
 
     def put(self, step: int) -> list[BaseException | None]:
         """Every rank puts ``step`` (each from its own thread: a stopped daemon holds its rank's
