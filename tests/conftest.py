@@ -16,3 +16,21 @@ def shm_root() -> Iterator[Path]:
     root.mkdir(mode=0o700)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _mpich_segments() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_mpi_segments() -> Iterator[None]:
+    """MPICH's shared-memory segment files outlive ranks that were SIGKILLed before they unlinked
+    them (the tests kill daemons on purpose). Remove those this session left and nobody maps."""
+    from bench.faults import _mapped_shm
+
+    before = _mpich_segments()
+    yield
+    left = _mpich_segments() - before - _mapped_shm()
+    for name in left:
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
