@@ -183,6 +183,12 @@ class Store:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
+    def _reconnect(self) -> None:
+        """A fresh connection and hello in place of the current one (holding ``_lock``)."""
+        self._conn.close()
+        self._conn, hello = self._handshake()
+        self.hosts, self._stale = hello["hosts"], False
+
     def _request(
         self, message: dict[str, Any], conn: control.Connection | None = None
     ) -> dict[str, Any]:
@@ -198,9 +204,7 @@ class Store:
             else:
                 with self._lock:
                     if self._stale:  # the last request timed out: its reply may still come
-                        self._conn.close()
-                        self._conn, hello = self._handshake()
-                        self.hosts, self._stale = hello["hosts"], False
+                        self._reconnect()
                     try:
                         if self._unleases and message.get("op") != "unlease":
                             # leases live as long as their daemon: if it is gone, so are they
@@ -218,9 +222,7 @@ class Store:
                     except (OSError, ProtocolError):
                         reply = None
                     if reply is None and message.get("op") in _RETRYABLE and not self._closed:
-                        self._conn.close()
-                        self._conn, hello = self._handshake()
-                        self.hosts = hello["hosts"]
+                        self._reconnect()
                         reply = self._conn.request(message)
         except (OSError, ProtocolError) as exc:
             raise DaemonUnavailableError(f"lost the daemon at {self.socket_path}: {exc}") from exc

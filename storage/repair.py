@@ -186,8 +186,9 @@ class Repairer:
         # One erasure in a stripe: its helpers add their scaled chunks along a chain, so the
         # rebuilding host receives one chunk per stripe instead of k (see _chain_window)
         chained = k > 1 and h.config.repair == "chain"
-        chain = sorted(s for s, (e, _) in plan.stripes.items() if chained and len(e) == 1)
-        stripes = sorted(s for s in plan.stripes if s not in set(chain))
+        single = {s for s, (e, _) in plan.stripes.items() if chained and len(e) == 1}
+        chain = sorted(single)
+        stripes = sorted(s for s in plan.stripes if s not in single)
         rebuilt = 0
         t_wait = t_dec = 0.0
         t_start = time.monotonic()
