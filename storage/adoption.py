@@ -203,6 +203,8 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     steps = h.catalog.steps
     keep = {s.buffer for r in steps.values() for s in r.shards.values() if s.slot == h.slot}
     keep |= {r.parity[h.slot] for r in steps.values() if h.slot in r.parity}
+    if h.config.reserve:
+        keep |= set(h.pool.adopt_reserve())  # pre-faulted by an earlier daemon: still good
     removed = h.pool.sweep(keep)
     for name in list(h.pool.files):
         if name not in keep:

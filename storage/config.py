@@ -39,6 +39,7 @@ class ServeConfig:
     chunk_bytes: int = 1 << 20
     keep: int = 2
     memory_budget: int | None = None
+    reserve: int = 0  # shared memory pre-faulted at start, before any size is known (per host)
     virtual_hosts: tuple[str, ...] | None = None  # () means host0..host{H-1}
     metrics_port: int | None = None  # virtual host i serves on port + i; 0 picks a free port
     metrics_addr: str = "0.0.0.0"
@@ -60,6 +61,13 @@ class ServeConfig:
             raise ConfigError(f"--keep must be >= 1 (the newest protected step), got {self.keep}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ConfigError(f"--memory-budget must be positive, got {self.memory_budget}")
+        if self.reserve < 0:
+            raise ConfigError(f"--reserve must be >= 0 bytes, got {self.reserve}")
+        if self.memory_budget is not None and self.reserve > self.memory_budget:
+            raise ConfigError(
+                f"--reserve {self.reserve} is more than --memory-budget {self.memory_budget}: "
+                "reserve at most what the host may hold"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.repair not in ("chain", "star"):

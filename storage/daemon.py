@@ -13,7 +13,8 @@ Call sequence (every daemon of the job runs the same, in lock-step rounds)::
 
 Threads: the main thread drives MPI (the round engine and everything it calls); one thread per
 trainer connection answers requests (storage.service); a checksum thread (storage.exchange) and
-the persistent tier's writer (storage.tier). Trainers talk to the daemon over
+the persistent tier's writer (storage.tier); the warmer, making shared memory ahead of need in
+idle time (storage.warm). Trainers talk to the daemon over
 ``<root>/<job>/<host>/ctl.sock`` (framed JSON) and write shard bytes straight into its shared
 memory.
 
@@ -45,6 +46,7 @@ from storage.repair import Repairer
 from storage.rounds import Rounds
 from storage.service import Service
 from storage.tier import Tier
+from storage.warm import Warmer
 from transport.control import Server
 
 __all__ = ["Daemon"]
@@ -92,6 +94,7 @@ class Daemon:
         )
         h.latency.registry.register(SnapshotCollector(self.snapshot))
         self.server: Server | None = None
+        self.warmer = Warmer(h, config.reserve, first=self.exchange.warm)
 
     def snapshot(self) -> Snapshot:
         return snapshot(self.host, self.tier, self.endpoint.port)
@@ -123,6 +126,7 @@ class Daemon:
             _write_atomic(h.dir.parent / "virtual-hosts.json", {"hosts": hosts_by_rank})
         h.write_health()
         adoption.adopt(h, self.repairer, self.tier, hosts_by_rank)
+        self.warmer.start()  # after adoption, which sweeps the files it does not know
         self.server = Server(h.dir / "ctl.sock", self.service.handle, on_close=self.service.closed)
         self.server.start()
         config = h.config
@@ -151,6 +155,7 @@ class Daemon:
         self.host.stopping = True
 
     def close(self) -> None:
+        self.warmer.close()
         if self.server is not None:
             self.server.close()
         self.endpoint.close()

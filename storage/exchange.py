@@ -36,6 +36,24 @@ class Exchange:
     def close(self) -> None:
         self._crc_pool.shutdown(wait=True)
 
+    def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any, Any]]:
+        """The two half windows' rows: data in, parity out, data out (see :meth:`run`)."""
+        h = self.host
+        window = max(1, h.config.window // 2)
+        return [
+            (
+                h.scratch(f"data{i}", window * k, cb),
+                h.scratch(f"out{i}", window * max(m - 1, 1) + 1, cb),
+                h.scratch(f"send{i}", window, cb),
+            )
+            for i in range(2)
+        ]
+
+    def warm(self) -> None:
+        """Make the exchange's rows before the first step needs them (the warmer's thread)."""
+        g = self.host.group
+        self.scratch(g.k, g.m, self.host.chunk_bytes)
+
     def prepare(self, rec: StepRec, loc: Local) -> None:
         """Reserve parity memory, start checksumming this host's data chunks; report next round.
 
@@ -82,14 +100,7 @@ class Exchange:
         # starts slow again). Each half has its own rows; a half's rows are reused only after
         # its parity has gone out.
         window = max(1, h.config.window // 2)
-        sets = [
-            (
-                h.scratch(f"data{i}", window * k, cb),
-                h.scratch(f"out{i}", window * max(m - 1, 1) + 1, cb),
-                h.scratch(f"send{i}", window, cb),
-            )
-            for i in range(2)
-        ]
+        sets = self.scratch(k, m, cb)
         blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl

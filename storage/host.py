@@ -18,6 +18,7 @@ the one wait helper, :meth:`Host.wait_for`, whose timeout is a :class:`StorageTi
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import sys
@@ -42,6 +43,16 @@ from storage.protocol import Event
 from transport.mpi import Links
 
 __all__ = ["Host", "Local", "log"]
+
+
+def _populated(shape: tuple[int, int]) -> np.ndarray[Any, Any]:
+    """A private anonymous mapping of ``shape`` bytes, every page faulted in by the kernel."""
+    n = max(1, shape[0] * shape[1])
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, n, flags=flags), dtype=np.uint8)[
+        : shape[0] * shape[1]
+    ].reshape(shape)
 
 
 def log(host: str, msg: str) -> None:
@@ -83,6 +94,9 @@ STATS = (
     "restored_steps",  # put back into memory from disk at start-up
     "restore_read_seconds",  # ... reading its files (then the rounds protect it)
     "disk_reads",  # shards served straight from disk
+    "reserve_bytes",  # pre-faulted at start for --reserve (set once that is done)
+    "warm_files",  # files made ahead of need for the next puts (storage.warm)
+    "warm_bytes",
 )
 
 
@@ -154,6 +168,7 @@ class Host:
         self.latency = Latencies(config.job, self.name)
         self._codecs: dict[tuple[int, int], RSCodec] = {}
         self._scratch: dict[tuple[str, int, int], np.ndarray[Any, Any]] = {}
+        self._scratch_lock = threading.Lock()
         self._seq = 0
 
     # -- identity ----------------------------------------------------------------------------------
@@ -262,16 +277,20 @@ class Host:
         as wide as the largest chunk, ``--chunk-bytes``, viewed ``chunk`` wide: each row stays
         contiguous, and pages are only touched as far as a step's chunks reach).
 
+        The rows are faulted in when made, by the kernel in one call (``MAP_POPULATE``: 1.0 s per
+        GB here, against 3.4 s for numpy's first writes to fresh pages), and made ahead of the
+        first step by :class:`storage.warm.Warmer`.
+
         Sends go out of these rows, not straight from the shared-memory files: MPICH moves a
         message out of anonymous memory 1.7-3x faster than out of a tmpfs mapping (measured with
         4 ranks fanning in 1 MiB messages: 2.3 GB/s from the file, 4.0 with the copy, 6.4 anon),
         so the extra copy pays for itself.
         """
         key = (purpose, rows, self.chunk_bytes)
-        s = self._scratch.get(key)
-        if s is None:
-            s = np.zeros((rows, self.chunk_bytes), dtype=np.uint8)
-            self._scratch[key] = s
+        with self._scratch_lock:
+            s = self._scratch.get(key)
+            if s is None:
+                s = self._scratch[key] = _populated((rows, self.chunk_bytes))
         return s[:, :chunk]
 
     def close(self) -> None:

@@ -101,6 +101,14 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         "nothing stored is touched (default: what /dev/shm holds)",
     )
     p.add_argument(
+        "--reserve",
+        type=_parse_size,
+        default=0,
+        help="shared memory to pre-fault at start, per host (e.g. 12G: (keep+1) x (this host's "
+        "shards + m/k of them)), while training still loads, so that the first puts find it "
+        "ready; without it the files of later puts are still made ahead, once sizes are known",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -151,6 +159,7 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         chunk_bytes=a.chunk_bytes,
         keep=a.keep,
         memory_budget=a.memory_budget,
+        reserve=a.reserve,
         virtual_hosts=vh,
         metrics_port=a.metrics_port,
         metrics_addr=a.metrics_addr,

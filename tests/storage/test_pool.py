@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from storage.errors import CapacityError
-from storage.pool import Pool
+from storage.pool import RESERVE, Pool
 
 
 @pytest.fixture
@@ -80,3 +80,73 @@ def test_names_are_never_made_again_by_a_later_daemon(host_dir: Path) -> None:
     first.drop(gone.name)
     later = Pool(host_dir, budget=None)
     assert later.take(1 << 20, "r0-").name != gone.name
+
+
+def _never_pause() -> bool:
+    return True
+
+
+def test_a_file_made_ahead_serves_the_next_take_with_no_fresh_pages(host_dir: Path) -> None:
+    pool = Pool(host_dir, budget=None)
+    made = pool.make(3 << 20, "r0-", _never_pause)
+    assert made is not None and made.name in pool.free and not pool.partial
+    assert pool.used == 3 << 20 and pool.count("r0-", 3 << 20) == 1
+    got = pool.take(3 << 20, "r0-")
+    assert got.name == made.name and pool.fresh_bytes == 0
+    assert pool.ahead_bytes == 3 << 20
+    assert pool.take(3 << 20, "r1-").name != made.name  # another prefix makes its own
+    assert pool.fresh_bytes == 3 << 20
+
+
+def test_a_take_finishes_a_file_the_warmer_paused_on(host_dir: Path) -> None:
+    """Made ahead in 64 MiB pieces; live work came after the first: the take faults in the rest."""
+    pool = Pool(host_dir, budget=None)
+    size = (64 << 20) + (1 << 20)
+    calls = []
+
+    def pause_after_one() -> bool:
+        calls.append(1)
+        return len(calls) == 1  # one piece, then "the daemon is stopping"
+
+    made = pool.make(size, "p", pause_after_one)
+    assert made is not None and pool.partial == {made.name: 64 << 20}
+    got = pool.take(size, "p")
+    assert got.name == made.name and made.name not in pool.partial
+    assert pool.fresh_bytes == 1 << 20  # only the piece that was missing
+    got.file.array[-1] = 7  # allocated and mapped to its end
+    assert pool.advance(made.name, _never_pause) is False  # taken: the warmer lets go
+
+
+def test_a_reserve_file_turns_into_the_file_a_take_needs(host_dir: Path) -> None:
+    pool = Pool(host_dir, budget=8 << 20)
+    big = pool.make(4 << 20, RESERVE, _never_pause)
+    small = pool.make(1 << 20, RESERVE, _never_pause)
+    assert big is not None and small is not None
+    shard = pool.take(3 << 20, "r0-")  # cut from the 4 MiB one: nothing faulted in
+    assert shard.name.startswith("r0-") and shard.size == 3 << 20
+    assert not pool.path(big.name).exists() and pool.path(shard.name).stat().st_size == 3 << 20
+    assert pool.fresh_bytes == 0 and pool.reserve_wasted == 1 << 20
+    parity = pool.take(2 << 20, "p")  # grown from the 1 MiB one: 1 MiB faulted in
+    assert pool.path(parity.name).parent.name == "parity" and parity.size == 2 << 20
+    assert pool.fresh_bytes == 1 << 20 and pool.reserve_used == (3 << 20) + (1 << 20)
+    parity.file.array[:] = 1
+    assert pool.used == 5 << 20 and pool.counters()["reserve_free_bytes"] == 0
+
+
+def test_files_made_ahead_obey_the_budget_and_give_way_to_takes(host_dir: Path) -> None:
+    pool = Pool(host_dir, budget=4 << 20)
+    assert pool.make(3 << 20, "r0-", _never_pause) is not None
+    assert pool.make(2 << 20, "r1-", _never_pause) is None  # would pass the budget: not made
+    live = pool.take(2 << 20, "r1-")  # the free file made ahead is dropped for live work
+    assert live.size == 2 << 20 and pool.count("r0-", 3 << 20) == 0
+
+
+def test_a_relaunched_daemon_takes_back_the_reserve_left_to_it(host_dir: Path) -> None:
+    first = Pool(host_dir, budget=None)
+    shard = first.take(1 << 20, "r0-")
+    spare = first.make(2 << 20, RESERVE, _never_pause)
+    later = Pool(host_dir, budget=None)
+    assert spare is not None and later.adopt_reserve() == [spare.name]
+    assert spare.name in later.free and shard.name not in later.files
+    got = later.take(2 << 20, "r0-")  # turned into a shard buffer, as its own would be
+    assert got.name.startswith("r0-") and later.fresh_bytes == 0

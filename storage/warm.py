@@ -1,0 +1,223 @@
+"""Shared memory made ahead of need: the files of the next puts, and ``--reserve``.
+
+A fresh file of shared memory costs its first touch (about 1.5 GB/s here, 0.5 s per GB with the
+two threads of :func:`transport.shm.prefault`), and a put that finds no free file of its size in
+the pool pays that inside its put->protected: the first ``keep + 1`` puts after a start, until
+retention frees files for reuse. The warmer makes those files before they are asked for, on a
+thread of its own, one 64 MiB piece at a time and only while the host is idle (no step staging,
+encoding or being rebuilt here: live work always goes first):
+
+- once a rank's shard size is known here (its first ``alloc``, or the newest adopted step after
+  a restart), ``keep + 1`` files of that size for that rank, and as many parity files of the
+  host's parity size (known at the first ``prepare``): what steady state holds;
+- ``--reserve BYTES``, made at start while nothing is known: reserve files of sizes halving from
+  BYTES/2 down to 64 MiB, which :meth:`storage.pool.Pool.take` turns into the files it needs
+  (renamed and cut or grown: only the difference in size is faulted in then). A reserve file no
+  take has used yet is turned into a wanted file when that costs fewer fresh pages than a new one.
+
+Who calls it: the daemon starts it after adoption and closes it. It learns the sizes from the
+catalog (the newest step with shards here) and owns its thread and the ``want`` table; it takes
+the host's lock only to read the catalog and what is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from storage.catalog import StepState
+from storage.host import Host
+from storage.pool import RESERVE, Buffer
+
+__all__ = ["Warmer", "reserve_sizes"]
+
+_MIN_RESERVE = 8 << 20
+_LIVE = (StepState.STAGING, StepState.READY, StepState.ENCODING)
+
+
+def reserve_sizes(total: int) -> list[int]:
+    """Reserve files for ``total`` bytes: halving from total/2 while at least 8 MiB, and the rest
+    (at least 8 MiB) as one more; a total under 16 MiB is one file."""
+    sizes: list[int] = []
+    left = total
+    size = total // 2
+    while size >= _MIN_RESERVE and left - size >= _MIN_RESERVE:
+        sizes.append(size)
+        left -= size
+        size //= 2
+    if left > 0:
+        sizes.append(left)
+    return sizes
+
+
+class Warmer:
+    """Makes the pool's files ahead of need, in idle time; see the module docstring."""
+
+    def __init__(
+        self, host: Host, reserve: int = 0, first: Callable[[], None] | None = None
+    ) -> None:
+        self.host = host
+        self.reserve = reserve
+        self.first = first  # made before anything else (the exchange's private rows)
+        self.want: dict[str, int] = {}  # prefix -> size the next puts will take (see learn)
+        self.cpu_seconds = 0.0  # of this thread: allocating and faulting in pages
+        self._reserve_done = not reserve
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- what the next puts will need -------------------------------------------------------------
+
+    def learn(self) -> None:
+        """What the next puts will take, from the newest step with shards here: each rank's
+        shard size, and the host's parity size once the step is laid out."""
+        h = self.host
+        want: dict[str, int] = {}
+        with h.lock:
+            recs = sorted(h.catalog.steps.values(), key=lambda r: r.step, reverse=True)
+            for rec in recs:
+                mine = [(r, s) for r, s in rec.shards.items() if s.slot == h.slot]
+                if not mine:
+                    continue
+                for rank, shard in mine:
+                    want[f"r{rank}-"] = shard.nbytes
+                if h.group.index in rec.layouts:
+                    layout, pos = h.my_layout(rec)
+                    want["p"] = len(layout.parity_stripes[pos]) * rec.chunk_bytes
+                break
+        self.want = want
+
+    @property
+    def target(self) -> int:
+        """Files of each wanted size: the kept steps and the one being put."""
+        return self.host.config.keep + 1
+
+    def _fits(self, size: int) -> bool:
+        pool = self.host.pool
+        with pool.lock:
+            return pool._fits(size) and self._room(size)
+
+    def _room(self, size: int) -> bool:
+        """The file system (a sized tmpfs) holds ``size`` more bytes, with 10 % to spare."""
+        try:
+            st = os.statvfs(self.host.dir)
+        except OSError:
+            return False
+        return size <= st.f_bavail * st.f_frsize - st.f_blocks * st.f_frsize // 10
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ecsnap-warm", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop = True
+        with self.host.cond:
+            self.host.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def busy(self) -> bool:
+        """Live work on this host: a shard being staged, a step in flight, a rebuild queued."""
+        h = self.host
+        with h.lock:
+            if h.pending or h.stopping:
+                return True
+            return any(r.state in _LIVE for r in h.catalog.steps.values())
+
+    def _pause(self) -> bool:
+        """Wait until the host is idle; False once the daemon stops."""
+        h = self.host
+        with h.cond:
+            while not self._stop and self.busy():
+                h.cond.wait(0.1)  # the round engine notifies every round
+        return not self._stop
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass  # a thread's niceness is a hint; idle-only is the rule that matters
+        h = self.host
+        try:
+            if self.first is not None and self._pause():
+                self._timed(self.first)
+            if self.reserve:
+                self._make_reserve()
+            while not self._stop:
+                self.learn()
+                if not self._make_wanted():
+                    with h.cond:
+                        h.cond.wait(0.5)  # notified every round
+        except Exception as exc:  # never the daemon's end: puts make their own files
+            h.log(f"warm: making files ahead of need stopped: {type(exc).__name__}: {exc}")
+
+    def _make_reserve(self) -> None:
+        """Reserve files for ``--reserve``, less what an earlier daemon left (taken back at
+        adoption)."""
+        h = self.host
+        t0 = time.monotonic()
+        had = h.pool.counters()["reserve_free_bytes"]
+        made = 0
+        for size in reserve_sizes(self.reserve - had) if self.reserve > had else []:
+            if self._stop:
+                return
+            if not self._fits(size):
+                h.log(f"warm: --reserve stopped at {had + made} bytes: the host holds no more")
+                break
+            if self._timed(self.host.pool.make, size, RESERVE, self._pause) is None:
+                break
+            made += size
+        self._reserve_done = True
+        with h.lock:
+            h.stats["reserve_bytes"] = had + made
+        h.log(
+            f"warm: reserved {had + made} bytes of shared memory ({had} left by the last daemon, "
+            f"{made} made in {time.monotonic() - t0:.2f} s)"
+        )
+
+    def _make_wanted(self) -> bool:
+        """Make (or go on making) one wanted file, if one is missing; whether one was made."""
+        pool = self.host.pool
+        # the fewest first: the next put's files before the one after's
+        for _, prefix, size in sorted((pool.count(p, n), p, n) for p, n in self.want.items()):
+            if pool.count(prefix, size) >= self.target:
+                with pool.lock:
+                    unfinished = [n for n in pool.partial if n.startswith(prefix)]
+                if unfinished:  # paused by live work before: go on with it
+                    return bool(self._timed(pool.advance, unfinished[0], self._pause))
+                continue
+            if not self._fits(size):
+                continue
+            if not self._pause():
+                return False
+
+            t0 = time.monotonic()
+            if self._timed(self._one, size, prefix) is not None:
+                with self.host.lock:
+                    self.host.stats["warm_files"] += 1
+                    self.host.stats["warm_bytes"] += size
+                if self.host.trace:
+                    self.host.log(
+                        f"warm: a {prefix} file of {size} B made ahead in "
+                        f"{time.monotonic() - t0:.2f} s"
+                    )
+                return True
+            return False
+        return False
+
+    def _one(self, size: int, prefix: str) -> Buffer | None:
+        """A wanted file: from a reserve file if that faults in fewer pages, else a new one."""
+        pool = self.host.pool
+        return pool.from_reserve(size, prefix) or pool.make(size, prefix, self._pause)
+
+    def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)``, its CPU time counted (allocating and faulting in pages)."""
+        t0 = time.thread_time()
+        try:
+            return work(*args)
+        finally:
+            self.cpu_seconds += time.thread_time() - t0

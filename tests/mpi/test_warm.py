@@ -1,0 +1,111 @@
+"""Shared memory made ahead of need, end to end: real daemons, real shared memory, real puts.
+
+Each daemon counts the bytes it faulted in inside a take (``pool_fresh_bytes``): a put served
+from files made ahead adds none. The tests read that counter, so they fail if a put made its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import storage
+from bench.harness import Cluster, assert_same, close_all, make_state
+
+HOSTS = 4
+NBYTES = 6 << 20  # per rank: a few chunks per host
+
+
+@contextmanager
+def _cluster(root: Path, extra: list[str]) -> Iterator[Cluster]:
+    cluster = Cluster(root, hosts=HOSTS, k=3, m=1, extra=extra)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@contextmanager
+def _stores(cluster: Cluster) -> Iterator[list[storage.Store]]:
+    stores = cluster.stores(HOSTS)
+    try:
+        yield stores
+    finally:
+        close_all(stores)
+
+
+def _put(stores: list[storage.Store], step: int) -> None:
+    handles = [s.put(step, make_state(r, step, nbytes=NBYTES)) for r, s in enumerate(stores)]
+    for h in handles:
+        assert h.wait(60) == step
+
+
+def _stats(stores: list[storage.Store]) -> list[dict[str, Any]]:
+    return [s.info()["stats"] for s in stores]
+
+
+def _until(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def test_the_next_puts_files_are_made_while_the_host_is_idle(shm_root: Path) -> None:
+    with _cluster(shm_root, []) as cluster, _stores(cluster) as stores:
+        _put(stores, 1)  # its files are made inside the put: nothing was known before
+        first = _stats(stores)
+        assert all(s["pool_fresh_bytes"] > 0 for s in first)
+        # keep 2: a shard buffer and a parity file for each of the next two puts, per host
+        _until(
+            "the files of the next two puts",
+            lambda: all(s["warm_files"] >= 4 for s in _stats(stores)),
+        )
+        _put(stores, 2)
+        _put(stores, 3)
+        after = _stats(stores)
+        for a, b in zip(first, after, strict=True):
+            assert b["pool_fresh_bytes"] == a["pool_fresh_bytes"], (a, b)  # none faulted in
+        for r, s in enumerate(stores):
+            assert_same(s.get(3), make_state(r, 3, nbytes=NBYTES))
+
+
+def test_reserve_serves_the_first_put_and_outlives_a_restart(shm_root: Path) -> None:
+    # keep 1: two files of each size in steady state, so the smallest reserve files serve them
+    # and the largest is left over
+    with _cluster(shm_root, ["--reserve", "192M", "--keep", "1"]) as first:
+        with _stores(first) as stores:
+            _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
+            _put(stores, 1)
+            stats = _stats(stores)
+            for s in stats:
+                assert s["reserve_bytes"] == 192 << 20
+                assert s["pool_fresh_bytes"] == 0, s  # the first put found its memory ready
+                assert s["reserve_used_bytes"] > 0
+            _until(
+                "the files of the next put",
+                lambda: all(s["warm_files"] >= 2 for s in _stats(stores)),
+            )
+            left = [s["reserve_free_bytes"] for s in _stats(stores)]
+            assert all(left), left
+        first.kill()  # a crash: the next daemons find the reserve files the last ones made
+    again_cluster = first.relaunch()
+    try:
+        with _stores(again_cluster) as stores:
+            _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
+            for r, s in enumerate(stores):
+                assert_same(s.get(1), make_state(r, 1, nbytes=NBYTES))
+            # what was left is taken back, and topped up to the reserve asked for
+            log = again_cluster.log.read_text()
+            for i, (before, s) in enumerate(zip(left, _stats(stores), strict=True)):
+                assert s["reserve_bytes"] == 192 << 20
+                assert (
+                    f"ecsnap[host{i}] warm: reserved {192 << 20} bytes of shared memory "
+                    f"({before} left by the last daemon" in log
+                )
+    finally:
+        again_cluster.stop()
