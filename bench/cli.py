@@ -13,6 +13,7 @@ BENCHMARKS = {
     "codec": ("bench.codec", "main"),
     "control": ("bench.control", "main"),
     "store": ("bench.store", "main"),
+    "cold": ("bench.cold", "main"),
     "persist": ("bench.persist", "main"),
     "train": ("bench.train", "main"),
     "scale": ("bench.scale", "main"),

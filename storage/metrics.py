@@ -94,6 +94,20 @@ class SnapshotCollector(Collector):
             "system under --root) holds",
             snap.memory_limit,
         )
+        faulted = CounterMetricFamily(
+            "ecsnap_shm_faulted_bytes",
+            "Shared memory faulted in (fresh pages): inside a put's take, or ahead of need "
+            "(the next puts' files and --reserve, made in idle time)",
+            labels=[*names, "when"],
+        )
+        faulted.add_metric([*labels, "in_put"], stats["pool_fresh_bytes"])
+        faulted.add_metric([*labels, "ahead"], stats["pool_ahead_bytes"])
+        yield faulted
+        yield gauge(
+            "ecsnap_reserve_free_bytes",
+            "Reserve files (--reserve) not yet turned into the files puts need",
+            stats["reserve_free_bytes"],
+        )
         yield counter(
             "ecsnap_encode_bytes", "Data bytes encoded into parity", stats["encode_bytes"]
         )

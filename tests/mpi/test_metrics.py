@@ -88,6 +88,13 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
             assert m[("ecsnap_stage_seconds_count", ())] == 2
             assert m[("ecsnap_protect_seconds_count", ())] == 2
             assert m[("ecsnap_hosts", (("state", "up"),))] == 4
+            # the first put made its files; what shared memory it holds was faulted in once
+            faulted = sum(
+                m[("ecsnap_shm_faulted_bytes_total", (("when", w),))] for w in ("in_put", "ahead")
+            )
+            assert m[("ecsnap_shm_faulted_bytes_total", (("when", "in_put"),))] > 0
+            assert m[("ecsnap_shm_bytes", ())] <= faulted
+            assert m[("ecsnap_reserve_free_bytes", ())] == 0  # no --reserve
         # about m/k = 1/3 of the data, rounded up to whole chunks on a tiny state
         assert held["data"] > 0 and 0 < held["parity"] < held["data"]
         assert held["encoded"] > 0 and held["sent"] > 0
