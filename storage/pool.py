@@ -196,7 +196,7 @@ class Pool:
                     best, found = key, b
         return found
 
-    def _convert(self, spare: Buffer, name: str, need: int) -> Buffer:
+    def _convert(self, spare: Buffer, name: str, need: int, ahead: bool = False) -> Buffer:
         """Turn the reserve file ``spare`` (taken off the free list) into ``name`` of ``need``
         bytes: renamed, then cut (its tail's pages go back) or grown and the rest faulted in."""
         old = spare.size
@@ -216,7 +216,10 @@ class Pool:
             f = shm.MappedFile(dst, need, populate=True)
             if need > old:
                 with self.lock:
-                    self.fresh_bytes += need - old
+                    if ahead:
+                        self.ahead_bytes += need - old
+                    else:
+                        self.fresh_bytes += need - old
         except OSError as exc:
             with self.lock:
                 self._making -= need
@@ -243,7 +246,7 @@ class Pool:
             del self.files[spare.name]
             self._making += size
             name = self._name(prefix)
-        buf = self._convert(spare, name, size)
+        buf = self._convert(spare, name, size, ahead=True)
         with self.lock:
             self.free.add(buf.name)
         return buf

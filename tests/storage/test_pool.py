@@ -150,3 +150,14 @@ def test_a_relaunched_daemon_takes_back_the_reserve_left_to_it(host_dir: Path) -
     assert spare.name in later.free and shard.name not in later.files
     got = later.take(2 << 20, "r0-")  # turned into a shard buffer, as its own would be
     assert got.name.startswith("r0-") and later.fresh_bytes == 0
+
+
+def test_a_reserve_file_grown_ahead_of_need_is_not_counted_as_a_puts_fresh_pages(
+    host_dir: Path,
+) -> None:
+    pool = Pool(host_dir, budget=None)
+    assert pool.make(1 << 20, RESERVE, _never_pause) is not None
+    made = pool.from_reserve(2 << 20, "p")  # the warmer's doing, in idle time
+    assert made is not None and made.name in pool.free and made.size == 2 << 20
+    assert pool.fresh_bytes == 0 and pool.ahead_bytes == 2 << 20
+    assert pool.take(2 << 20, "p").name == made.name and pool.fresh_bytes == 0
