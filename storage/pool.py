@@ -13,7 +13,6 @@ grown), so that only the difference in size is faulted in then.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import threading
@@ -108,7 +107,7 @@ class Pool:
         if buf is not None:
             if done is not None:  # made ahead in part: the rest now
                 try:
-                    self._fault(buf, done // mmap.PAGESIZE * mmap.PAGESIZE, buf.size)
+                    self._fault(buf, done, buf.size)  # pieces end on pages
                 except OSError as exc:
                     self.drop(buf.name)
                     raise CapacityError(
@@ -117,18 +116,10 @@ class Pool:
                 with self.lock:
                     self.fresh_bytes += buf.size - done
             return buf
-        with self.lock:
-            need = max(size, 1)
-            spare = self._reserve_for(need)
-            if spare is not None and self._fits(reserve + max(0, need - spare.size)):
-                self.free.discard(spare.name)
-                del self.files[spare.name]
-                self._making += need  # counted while it changes name and size
-                name = self._name(prefix)
-            else:
-                spare = None
-        if spare is not None:
-            return self._convert(spare, name, need)
+        need = max(size, 1)
+        claimed = self._claim_reserve(need, prefix, reserve)
+        if claimed is not None:
+            return self._convert(*claimed, need)
         with self.lock:
             if not self._fits(need + reserve):
                 for name in sorted(self.free, key=lambda n: -self.files[n].size):
@@ -196,6 +187,19 @@ class Pool:
                     best, found = key, b
         return found
 
+    def _claim_reserve(self, need: int, prefix: str, reserve: int) -> tuple[Buffer, str] | None:
+        """Take the best reserve file for ``need`` bytes off the pool (counted as being made
+        meanwhile) and name the file it becomes, if one beats a new file and its growth and
+        ``reserve`` fit the budget; None otherwise."""
+        with self.lock:
+            spare = self._reserve_for(need)
+            if spare is None or not self._fits(reserve + max(0, need - spare.size)):
+                return None
+            self.free.discard(spare.name)
+            del self.files[spare.name]
+            self._making += need  # counted while it changes name and size
+            return spare, self._name(prefix)
+
     def _convert(self, spare: Buffer, name: str, need: int, ahead: bool = False) -> Buffer:
         """Turn the reserve file ``spare`` (taken off the free list) into ``name`` of ``need``
         bytes: renamed, then cut (its tail's pages go back) or grown and the rest faulted in."""
@@ -238,15 +242,10 @@ class Pool:
     def from_reserve(self, size: int, prefix: str) -> Buffer | None:
         """Turn a reserve file into a free file of ``size`` for ``prefix`` when that faults in
         fewer pages than a new file; None (nothing done) otherwise."""
-        with self.lock:
-            spare = self._reserve_for(size)
-            if spare is None or not self._fits(max(0, size - spare.size)):
-                return None
-            self.free.discard(spare.name)
-            del self.files[spare.name]
-            self._making += size
-            name = self._name(prefix)
-        buf = self._convert(spare, name, size, ahead=True)
+        claimed = self._claim_reserve(size, prefix, 0)
+        if claimed is None:
+            return None
+        buf = self._convert(*claimed, size, ahead=True)
         with self.lock:
             self.free.add(buf.name)
         return buf
@@ -357,6 +356,11 @@ class Pool:
             if not name.startswith("p"):
                 self.adopted.add(name)
         return buf
+
+    def fits(self, extra: int) -> bool:
+        """Whether ``extra`` more bytes fit the budget now."""
+        with self.lock:
+            return self._fits(extra)
 
     def _fits(self, extra: int) -> bool:
         return self.budget is None or self.used + extra <= self.budget

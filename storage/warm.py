@@ -4,14 +4,14 @@ A fresh file of shared memory costs its first touch (about 1.5 GB/s here, 0.5 s 
 two threads of :func:`transport.shm.prefault`), and a put that finds no free file of its size in
 the pool pays that inside its put->protected: the first ``keep + 1`` puts after a start, until
 retention frees files for reuse. The warmer makes those files before they are asked for, on a
-thread of its own, one 64 MiB piece at a time and only while the host is idle (no step staging,
-encoding or being rebuilt here: live work always goes first):
+thread of its own, one 64 MiB piece at a time and only while the host is idle (no shard being
+staged, no step staging, ready or encoding: live work always goes first):
 
-- once a rank's shard size is known here (its first ``alloc``, or the newest adopted step after
-  a restart), ``keep + 1`` files of that size for that rank, and as many parity files of the
-  host's parity size (known at the first ``prepare``): what steady state holds;
+- once a step has shards here (staged, or adopted after a restart), ``keep + 1`` files of each
+  of their ranks' shard sizes, and as many of the host's parity size once the step is laid out:
+  what steady state holds;
 - ``--reserve BYTES``, made at start while nothing is known: reserve files of sizes halving from
-  BYTES/2 down to 64 MiB, which :meth:`storage.pool.Pool.take` turns into the files it needs
+  BYTES/2 down to 8 MiB, which :meth:`storage.pool.Pool.take` turns into the files it needs
   (renamed and cut or grown: only the difference in size is faulted in then). A reserve file no
   take has used yet is turned into a wanted file when that costs fewer fresh pages than a new one.
 
@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from storage.catalog import StepState
 from storage.host import Host
@@ -63,8 +62,6 @@ class Warmer:
         self.reserve = reserve
         self.first = first  # made before anything else (the exchange's private rows)
         self.want: dict[str, int] = {}  # prefix -> size the next puts will take (see learn)
-        self.cpu_seconds = 0.0  # of this thread: allocating and faulting in pages
-        self._reserve_done = not reserve
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -95,9 +92,7 @@ class Warmer:
         return self.host.config.keep + 1
 
     def _fits(self, size: int) -> bool:
-        pool = self.host.pool
-        with pool.lock:
-            return pool._fits(size) and self._room(size)
+        return self.host.pool.fits(size) and self._room(size)
 
     def _room(self, size: int) -> bool:
         """The file system (a sized tmpfs) holds ``size`` more bytes, with 10 % to spare."""
@@ -121,7 +116,7 @@ class Warmer:
             self._thread.join(timeout=30)
 
     def busy(self) -> bool:
-        """Live work on this host: a shard being staged, a step in flight, a rebuild queued."""
+        """Live work on this host: a shard being staged, a step staging, ready or encoding."""
         h = self.host
         with h.lock:
             if h.pending or h.stopping:
@@ -144,7 +139,7 @@ class Warmer:
         h = self.host
         try:
             if self.first is not None and self._pause():
-                self._timed(self.first)
+                self.first()
             if self.reserve:
                 self._make_reserve()
             while not self._stop:
@@ -168,10 +163,9 @@ class Warmer:
             if not self._fits(size):
                 h.log(f"warm: --reserve stopped at {had + made} bytes: the host holds no more")
                 break
-            if self._timed(self.host.pool.make, size, RESERVE, self._pause) is None:
+            if self.host.pool.make(size, RESERVE, self._pause) is None:
                 break
             made += size
-        self._reserve_done = True
         with h.lock:
             h.stats["reserve_bytes"] = had + made
         h.log(
@@ -183,12 +177,12 @@ class Warmer:
         """Make (or go on making) one wanted file, if one is missing; whether one was made."""
         pool = self.host.pool
         # the fewest first: the next put's files before the one after's
-        for _, prefix, size in sorted((pool.count(p, n), p, n) for p, n in self.want.items()):
-            if pool.count(prefix, size) >= self.target:
+        for have, prefix, size in sorted((pool.count(p, n), p, n) for p, n in self.want.items()):
+            if have >= self.target:
                 with pool.lock:
                     unfinished = [n for n in pool.partial if n.startswith(prefix)]
                 if unfinished:  # paused by live work before: go on with it
-                    return bool(self._timed(pool.advance, unfinished[0], self._pause))
+                    return pool.advance(unfinished[0], self._pause)
                 continue
             if not self._fits(size):
                 continue
@@ -196,7 +190,7 @@ class Warmer:
                 return False
 
             t0 = time.monotonic()
-            if self._timed(self._one, size, prefix) is not None:
+            if self._one(size, prefix) is not None:
                 with self.host.lock:
                     self.host.stats["warm_files"] += 1
                     self.host.stats["warm_bytes"] += size
@@ -213,11 +207,3 @@ class Warmer:
         """A wanted file: from a reserve file if that faults in fewer pages, else a new one."""
         pool = self.host.pool
         return pool.from_reserve(size, prefix) or pool.make(size, prefix, self._pause)
-
-    def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
-        """``work(*args)``, its CPU time counted (allocating and faulting in pages)."""
-        t0 = time.thread_time()
-        try:
-            return work(*args)
-        finally:
-            self.cpu_seconds += time.thread_time() - t0
