@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "REPO", "Cluster", "assert_same", "close_all", "make_state", "nbytes_of", "same", "terminate",
+    "REPO", "Cluster", "assert_same", "close_all", "kill_group", "make_state", "nbytes_of", "same",
+    "terminate",
 ]  # fmt: skip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,9 +180,14 @@ class Cluster:
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill_group(self.proc)
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s process group if it still runs, and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def terminate(proc: subprocess.Popen[str], timeout: float) -> bool:

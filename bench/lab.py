@@ -423,9 +423,9 @@ class LabJob:
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        from bench.harness import kill_group
+
+        kill_group(self.proc)
         for ns in self.lab.hosts:  # daemons left inside the hosts (mpiexec's proxies died)
             for pid in _ns_pids(ns):
                 try:
