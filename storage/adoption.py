@@ -57,8 +57,11 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             "chunk_bytes": newest["chunk_bytes"],
         }
     # what the job agreed on per step travels along, for a group that lost every host
+    # (a pinned step is its group's own: no other group holds it, so the job does not agree on it)
     summary = {
-        str(s): [m["world_size"], m["data_bytes"], m["parity_bytes"]] for s, m in valid.items()
+        str(s): [m["world_size"], m["data_bytes"], m["parity_bytes"]]
+        for s, m in valid.items()
+        if not m.get("pinned")
     }
     everyone = h.links.allgather_json(
         {"claim": claim, "layout": layout, "steps": summary}, "adoption"
@@ -102,9 +105,21 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         for s in adopted
         if s in valid and min(sl for sl in g.slots if str(s) in by_slot[sl]["steps"]) == h.slot
     }
+    pinned_here = {str(s): m for s, m in valid.items() if m.get("pinned")}
     manifests: dict[int, dict[str, Any]] = {}
-    for part in h.gl.allgather_json(mine, "manifests"):
+    pinned: dict[int, dict[str, Any]] = {}
+    for part, pins in h.gl.allgather_json([mine, pinned_here], "manifests"):
         manifests.update({int(s): m for s, m in part.items()})
+        for st, m in pins.items():
+            pinned.setdefault(int(st), m)
+    # pinned steps stay while an adopted step of the group refers to them (and those, in turn)
+    wanted = {b for s in adopted if s in manifests for b in _bases(manifests[s])}
+    while True:
+        more = {b for s in wanted if s in pinned for b in _bases(pinned[s])} - wanted
+        if not more:
+            break
+        wanted |= more
+    manifests.update({s: m for s, m in pinned.items() if s in wanted})
     with h.lock:
         for step in adopted:
             if step in manifests:
@@ -114,6 +129,9 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
                 h.catalog.steps[step] = StepRec(
                     step, world, StepState.PROTECTED, data_bytes=data, parity_bytes=parity
                 )
+        for step in sorted(wanted & set(pinned)):
+            if step not in h.catalog.steps:
+                h.catalog.steps[step] = recovery.rec_from_manifest(pinned[step], h.catalog)
     h.stats["adopted_steps"] = len(adopted)
     # every host checks its own chunks; the erasures of the group are the group's to plan
     t1 = time.monotonic()
@@ -156,6 +174,14 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             lost_here[str(step)] = recovery.lost_parts(rec, {s: by_slot[s] for s in slots}, h.hosts)
     for step in lost_groups.get(g.index, []):
         lost_here[str(step)] = ([h.hosts[s] for s in g.slots], [])
+    # a step whose base is lost (or whose pinned manifest no host of the group kept) goes with it
+    missing = {b for b in wanted if b not in h.catalog.steps}
+    for b in sorted(missing | {int(st) for st in lost_here}):
+        hosts = lost_here[str(b)][0] if str(b) in lost_here else [h.hosts[s] for s in g.slots]
+        with h.lock:
+            later = h.catalog.lose_referrers(b, hosts)
+        for rec, refs in later:
+            lost_here[str(rec.step)] = (hosts, refs)
     lost: dict[int, tuple[list[str], list[int]]] = {}
     for part in h.links.allgather_json(lost_here if g.position(h.slot) == 0 else {}, "lost"):
         for step, (hosts, ranks) in part.items():
@@ -163,6 +189,8 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             lost[int(step)] = (sorted({*old[0], *hosts}), sorted({*old[1], *ranks}))
     with h.lock:
         for step, (hosts, ranks) in lost.items():
+            if step not in h.catalog.steps:  # another group's pinned step: never held here
+                continue
             rec = h.catalog.steps[step]
             rec.state = StepState.LOST
             rec.lost = {"lost_hosts": hosts, "ranks": ranks}
@@ -214,8 +242,9 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == h.slot}
         loc.parity = rec.parity.get(h.slot)
         loc.prepared = loc.stored = True
-        if rec.state == StepState.PROTECTED:
+        if rec.state.held:
             h.write_manifest(rec, loc)
+            loc.pinned_manifest = rec.state == StepState.PINNED
         else:
             h.remove_manifest(step)
     for step in valid:
@@ -237,6 +266,11 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             f"left to rebuild while serving); lost steps {sorted(lost) or 'none'}; removed "
             f"{len(removed)} file(s) of unfinished steps; {(time.monotonic() - t0):.2f} s in all"
         )
+
+
+def _bases(manifest: dict[str, Any]) -> set[int]:
+    """The steps a manifest's shards refer to for their unchanged tensors."""
+    return {int(sh.get("base", -1)) for sh in manifest["shards"]} - {-1}
 
 
 def _agree(

@@ -11,6 +11,11 @@ A step moves (see :class:`~storage.protocol.StepState`)::
 
     STAGING --(world_size ranks staged)--> READY --(every daemon prepared)--> ENCODING
     ENCODING --(every daemon stored)--> PROTECTED,   STAGING/READY --> FAILED,   PROTECTED --> LOST
+    PROTECTED --(evicted or deleted while a kept step of the group refers to it)--> PINNED
+
+Pinning is the group's own: a shard whose record names a ``base`` step keeps that step's chunks
+in its group (state ``PINNED``: gone for readers, still checked and rebuilt) until no step of
+the group refers to it, nor any put that announced it would (a :class:`~storage.protocol.Pin`).
 
 Who calls it: the round engine is the only writer; every other thread reads under the host's
 lock. No I/O here.
@@ -78,6 +83,9 @@ class Catalog:
         self.lanes: list[int | None] = [None] * LANES
         self.recently_protected: dict[int, None] = {}  # insertion-ordered, bounded
         self.failed: dict[int, dict[str, Any]] = {}  # step -> the error that failed it (to_wire)
+        # puts announced with a base, before their records: (step, rank) -> base; and refused
+        self.pins: dict[tuple[int, int], int] = {}
+        self.pin_refused: set[tuple[int, int]] = set()
         self.group_of = {slot: g for g in groups for slot in g.slots}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -95,9 +103,53 @@ class Catalog:
 
     # -- the group's events ------------------------------------------------------------------------
 
+    def pin(self, step: int, rank: int, base: int) -> None:
+        """A put of ``step`` by ``rank`` will refer to ``base``: kept from now on, if still held."""
+        held = self.steps.get(base)
+        if held is not None and held.state.held and rank in held.shards:
+            self.pins[(step, rank)] = base
+        else:
+            self.pin_refused.add((step, rank))
+
+    def unpin(self, step: int, rank: int) -> None:
+        self.pins.pop((step, rank), None)
+
+    def referenced(self) -> set[int]:
+        """Steps some step of the group (or an announced put) refers to."""
+        out = set(self.pins.values())
+        for rec in self.steps.values():
+            if rec.state != StepState.FAILED:
+                out.update(s.base for s in rec.shards.values() if s.base >= 0)
+        return out
+
+    def release_pins(self) -> list[int]:
+        """Pinned steps nothing refers to any more leave the catalog; returns them."""
+        gone: list[int] = []
+        while True:
+            refs = self.referenced()
+            free = [
+                s for s, r in self.steps.items() if r.state == StepState.PINNED and s not in refs
+            ]
+            if not free:
+                return gone
+            for s in free:
+                del self.steps[s]
+            gone += free
+
+    def _retire(self, step: int) -> None:
+        """A protected step leaves the readers' view: pinned if the group refers to it."""
+        rec = self.steps.get(step)
+        if rec is None:
+            return
+        if step in self.referenced():
+            rec.state = StepState.PINNED
+        else:
+            del self.steps[step]
+
     def staged(self, step: int, shard: ShardRecord) -> ShardRecord | None:
         """A group member staged ``shard``; returns the record it replaces (a rank putting an
         unfinished step again), if any."""
+        self.pins.pop((step, shard.rank), None)
         rec = self.steps.get(step)
         if rec is None or rec.state != StepState.STAGING:
             return None
@@ -232,7 +284,7 @@ class Catalog:
         while len(self.recently_protected) > 4096:
             self.recently_protected.pop(next(iter(self.recently_protected)))
         for old in self.evictions():
-            del self.steps[old]
+            self._retire(old)
         for old in [s for s, r in self.steps.items() if r.state == StepState.LOST]:
             if old < rec.step:
                 del self.steps[old]  # a newer step is protected: no use any more
@@ -248,9 +300,17 @@ class Catalog:
     # -- rare events -------------------------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        rec = self.steps.pop(step, None)
-        if rec is not None and rec.lane is not None:
+        rec = self.steps.get(step)
+        if rec is None or rec.state == StepState.PINNED:
+            return
+        if rec.lane is not None:
             self.lanes[rec.lane] = None
+            rec.lane = None
+        if rec.state == StepState.PROTECTED:
+            self._retire(step)
+        else:
+            del self.steps[step]
+        self.pins = {k: b for k, b in self.pins.items() if k[0] != step}
 
     def lose(self, step: int, lost_hosts: list[str], ranks: list[int]) -> StepRec | None:
         """Another group found ``step`` beyond repair (this group may hold its part still)."""
@@ -261,11 +321,28 @@ class Catalog:
         rec.lost = {"lost_hosts": lost_hosts, "ranks": ranks}
         return rec
 
+    def lose_referrers(self, base: int, hosts: list[str]) -> list[tuple[StepRec, list[int]]]:
+        """``base`` is lost in this group: so is every step whose shards here refer to it (and
+        to those, in turn); returns each with the ranks that referred."""
+        out: list[tuple[StepRec, list[int]]] = []
+        todo = [base]
+        while todo:
+            b = todo.pop()
+            for rec in self.steps.values():
+                refs = sorted(r for r, s in rec.shards.items() if s.base == b)
+                if refs and rec.state.held:
+                    rec.state = StepState.LOST
+                    rec.lost = {"lost_hosts": hosts, "ranks": refs}
+                    out.append((rec, refs))
+                    todo.append(rec.step)
+        return out
+
     def drop_failed(self, step: int) -> None:
         """A failed step leaves the catalog (its number may be put again); its error stays."""
         rec = self.steps.get(step)
         if rec is not None and rec.state == StepState.FAILED:
             del self.steps[step]
+            self.pins = {k: b for k, b in self.pins.items() if k[0] != step}
             self.failed[step] = rec.error or to_wire(StorageError(f"step {step} failed"))
 
     # -- layout ------------------------------------------------------------------------------------

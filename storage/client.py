@@ -33,6 +33,7 @@ from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
 from storage.gpu import to_device
+from storage.table import aligned
 from transport import control, shm
 from transport.errors import ProtocolError
 
@@ -80,6 +81,10 @@ class SaveHandle:
         self.t_put = time.perf_counter()
         self.copy_done: list[Any] = []  # CUDA events of the device-to-host copies, if any
         self.cpu_leaves = True
+        self.rank = 0
+        # what the put stored (storage.delta.Plan) and will hold once protected (Kept)
+        self.plan: Any = None
+        self.kept: Any = None
         self.t_staged: float | None = None
         self.t_protected: float | None = None
 
@@ -101,9 +106,19 @@ class Store:
     """
 
     def __init__(
-        self, job: str, *, rank: int, world_size: int, host: str, root: Path, timeout: float
+        self,
+        job: str,
+        *,
+        rank: int,
+        world_size: int,
+        host: str,
+        root: Path,
+        timeout: float,
+        incremental: bool = True,
     ) -> None:
         self.job, self.rank, self.world_size = job, rank, world_size
+        self.incremental = incremental
+        self._kept: dict[int, Any] = {}  # rank -> storage.delta.Kept of its newest protected put
         self.host, self.root, self.timeout = host, root, timeout
         self.socket_path = host_dir(root, job, host) / "ctl.sock"
         self._lock = threading.Lock()
@@ -280,31 +295,38 @@ class Store:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         skeleton, leaves, nbytes = _state.flatten(state_dict)
-        # the shard's tensor table travels inside its bytes, after its leaves
-        table = _state.pack_table(skeleton, [leaf.meta() for leaf in leaves])
-        table_at, total = _state.table_place(nbytes, len(table))
         handle = SaveHandle(step)
         rank = self.rank if rank is None else rank
         world_size = self.world_size if world_size is None else world_size
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
-        alloc = self._request(
-            {
-                "op": "alloc",
-                "step": step,
-                "rank": rank,
-                "world_size": world_size,
-                "nbytes": total,
-            }
-        )
-        meta = {"table": table, "at": table_at, "nbytes": total, "rank": rank, "world": world_size}
-        if any(leaf.device.startswith("cuda") for leaf in leaves):
+        handle.rank = rank
+        cuda = any(leaf.device.startswith("cuda") for leaf in leaves)
+        with self._lock:
+            last = self._kept.get(rank) if self.incremental and not cuda else None
+        request = {"op": "alloc", "step": step, "rank": rank, "world_size": world_size}
+        meta: dict[str, Any] = {"skeleton": skeleton, "rank": rank, "world": world_size}
+        if last is not None:
+            # what changed is known once the leaves are hashed: the buffer is allocated then
+            self._request(dict(request, nbytes=0, dry=True))  # a bad put still raises here
+            handle.cpu_leaves = True
+            self._last_put = handle
+            self._bg.submit(self._stage, handle, leaves, None, meta, last)
+            return handle
+        # the shard's tensor table travels inside its bytes, after its leaves; room is left for
+        # the digests the background thread computes
+        room = [dict(leaf.meta(), h="0" * 32) for leaf in leaves] if self.incremental else None
+        table = _state.pack_table(skeleton, room or [leaf.meta() for leaf in leaves])
+        table_at, total = _state.table_place(nbytes, len(table))
+        alloc = self._request(dict(request, nbytes=total))
+        meta.update(at=table_at, length=len(table), nbytes=total)
+        if cuda:
             # device-to-host copies are enqueued here, on the side stream, without a host sync
             mf = self._map(alloc["path"], int(alloc["size"]))
             handle.copy_done = self._device_copier().enqueue(leaves, mf.array)
         handle.cpu_leaves = any(not leaf.device.startswith("cuda") for leaf in leaves)
         self._last_put = handle
-        self._bg.submit(self._stage, handle, leaves, nbytes, alloc, meta)
+        self._bg.submit(self._stage, handle, leaves, alloc, meta, None)
         return handle
 
     def _device_copier(self) -> Any:
@@ -345,32 +367,57 @@ class Store:
         self,
         handle: SaveHandle,
         leaves: list[_state.Leaf],
-        nbytes: int,
-        alloc: dict[str, Any],
+        alloc: dict[str, Any] | None,
         meta: dict[str, Any],
+        last: Any,
     ) -> None:
-        """Copy the leaves and the table into the shard buffer, say so, wait for protection
-        (a background thread)."""
+        """Hash the leaves that may be unchanged, allocate (a put with references), copy the
+        changed leaves and the table into the shard buffer, say so, wait for protection (a
+        background thread)."""
         try:
+            sources = [_state.source_bytes(leaf) for leaf in leaves]
+            plan = None
+            if self.incremental:
+                from storage import delta  # xxhash and the planner: only where they are used
+
+                plan = delta.plan(leaves, last, sources)
+            if alloc is None:
+                assert plan is not None
+                alloc, table, base = self._alloc_delta(handle, plan, meta, sources)
+            else:
+                base = None
+                metas = [leaf.meta() for leaf in leaves]
+                table = _state.pack_table(meta["skeleton"], metas)
+                table += b" " * (meta["length"] - len(table))  # the room left for digests
+            at = aligned(plan.own_bytes if plan is not None else meta["at"])
+            nbytes = at + len(table)
             mf = self._map(alloc["path"], int(alloc["size"]))
             _state.stage(
-                leaves, mf.array[:nbytes], self._copy_pool, skip_cuda=bool(handle.copy_done)
+                leaves,
+                mf.array[:at],
+                self._copy_pool,
+                skip_cuda=bool(handle.copy_done),
+                sources=sources,
             )
-            table, at = meta["table"], meta["at"]
             mf.array[at : at + len(table)] = np.frombuffer(table, dtype=np.uint8)
             for event in handle.copy_done:
                 event.synchronize()  # this background thread waits, never the training stream
-            self._request(
-                {
-                    "op": "staged",
-                    "step": handle.step,
-                    "rank": meta["rank"],
-                    "world_size": meta["world"],
-                    "buffer": alloc["buffer"],
-                    "nbytes": meta["nbytes"],
-                    "table": [meta["at"], len(meta["table"])],
-                }
-            )
+            staged: dict[str, Any] = {
+                "op": "staged",
+                "step": handle.step,
+                "rank": meta["rank"],
+                "world_size": meta["world"],
+                "buffer": alloc["buffer"],
+                "nbytes": nbytes,
+                "table": [at, len(table)],
+            }
+            if base is not None:
+                staged["base"] = base
+            meta["buffer"] = alloc["buffer"]
+            self._request(staged)
+            if plan is not None:
+                handle.plan = plan
+                handle.kept = plan.kept(handle.step, last if base is not None else None)
         except BaseException as exc:
             try:
                 self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
@@ -388,6 +435,35 @@ class Store:
         threading.Thread(
             target=self._await_protection, args=(handle,), name="ecsnap-wait", daemon=True
         ).start()
+
+    def _alloc_delta(
+        self, handle: SaveHandle, plan: Any, meta: dict[str, Any], sources: list[Any]
+    ) -> tuple[dict[str, Any], bytes, int | None]:
+        """Allocate the buffer of a put planned with references; if the daemon could not keep
+        its base (gone meanwhile, or a restarted daemon), the whole shard is put instead.
+        Returns (the alloc reply, the table, the base kept)."""
+        from storage import delta
+
+        request: dict[str, Any] = {
+            "op": "alloc",
+            "step": handle.step,
+            "rank": meta["rank"],
+            "world_size": meta["world"],
+        }
+        for _attempt in range(2):
+            base = plan.base
+            table = _state.pack_table(meta["skeleton"], [leaf.meta() for leaf in plan.leaves], base)
+            _, total = _state.table_place(plan.own_bytes, len(table))
+            alloc = self._request(
+                dict(request, nbytes=total, **({"base": base} if base is not None else {}))
+            )
+            if base is None or alloc.get("base") == base:
+                return alloc, table, base
+            # refused: give the buffer back, lay the shard out whole, and put that
+            self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
+            replanned = delta.plan(plan.leaves, None, sources)
+            plan.base, plan.own_bytes, plan.ref_bytes = None, replanned.own_bytes, 0
+        raise AssertionError("unreachable")
 
     def _await_protection(self, handle: SaveHandle) -> None:
         try:
@@ -408,6 +484,11 @@ class Store:
             return
         handle.t_protected = time.perf_counter()
         self._settled(handle)
+        if handle.kept is not None:
+            with self._lock:
+                now = self._kept.get(handle.rank)
+                if now is None or handle.step > now.step:
+                    self._kept[handle.rank] = handle.kept  # the next put refers to this one
         handle.protected.set_result(handle.step)
 
     def _settled(self, handle: SaveHandle) -> None:
@@ -440,9 +521,21 @@ class Store:
         self._check_open()
         rank = self.rank if rank is None else rank
         reply = self._request({"op": "get", "step": step, "rank": rank})
-        path, nbytes = reply["path"], int(reply["nbytes"])
         if device is not None and str(device).startswith("cuda"):
-            return self._getto_device(reply, device)
+            return self._getto_device(reply, device, rank)
+        mm = self._map_reply(reply)
+        table = _table(mm, reply)
+        base = None
+        if table.get("base") is not None:  # its unchanged tensors lie in an earlier step
+            based = self._request(
+                {"op": "get", "step": int(table["base"]), "rank": rank, "base_of": reply["step"]}
+            )
+            base = self._map_reply(based)
+        return _state.unflatten_views(table["skeleton"], table["leaves"], mm, base)
+
+    def _map_reply(self, reply: dict[str, Any]) -> Any:
+        """A private mapping of the shard a get reply names (its lease ends with the mapping)."""
+        path, nbytes = reply["path"], int(reply["nbytes"])
         try:
             mm = shm.map_private(self._here(path), max(nbytes, 1))
         finally:
@@ -450,8 +543,7 @@ class Store:
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
         if not reply.get("temp"):
             weakref.finalize(mm, self._unleases.append, reply["buffer"])
-        table = _table(mm, reply)
-        return _state.unflatten_views(table["skeleton"], table["leaves"], mm)
+        return mm
 
     def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:
         """(step, structure) of what ``rank`` put at ``step``, touching none of its tensors.
@@ -467,9 +559,39 @@ class Store:
         leaves = [_state.Leaf.from_meta(m) for m in reply["meta"]["leaves"]]
         return int(reply["step"]), _state.build(reply["meta"]["skeleton"], leaves)
 
-    def _getto_device(self, reply: dict[str, Any], device: Any) -> Any:
+    def _getto_device(self, reply: dict[str, Any], device: Any, rank: int) -> Any:
         import torch
 
+        mapped = [self._pinned(reply)]
+        table = _table(mapped[0][1].array, reply)
+        if table.get("base") is not None:  # its unchanged tensors lie in an earlier step
+            based = self._request(
+                {"op": "get", "step": int(table["base"]), "rank": rank, "base_of": reply["step"]}
+            )
+            mapped.append(self._pinned(based))
+        arrays = [mf.array for _, mf in mapped]
+        host = _state.unflatten_views(
+            table["skeleton"], table["leaves"], arrays[0], arrays[1] if len(arrays) > 1 else None
+        )
+        out = to_device(host, torch.device(device))
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(torch.device(device)))
+
+        def release() -> None:
+            done.synchronize()
+            for r, mf in mapped:
+                if r.get("temp"):
+                    self._registry.forget(mf.array)
+                    mf.close()
+                    self._request({"op": "release", "path": r["path"]})
+                else:
+                    self._unleases.append(r["buffer"])
+
+        self._bg.submit(release)
+        return out
+
+    def _pinned(self, reply: dict[str, Any]) -> tuple[dict[str, Any], shm.MappedFile]:
+        """The shard a get reply names, mapped and registered for device copies."""
         path, size = reply["path"], int(reply["size"])
         mf = (
             self._map(path, size)
@@ -477,23 +599,7 @@ class Store:
             else shm.MappedFile(self._here(path), size)
         )
         self._device_copier().registry.ensure(mf.array)
-        table = _table(mf.array, reply)
-        host = _state.unflatten_views(table["skeleton"], table["leaves"], mf.array)
-        out = to_device(host, torch.device(device))
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(torch.cuda.current_stream(torch.device(device)))
-
-        def release() -> None:
-            done.synchronize()
-            if reply.get("temp"):
-                self._registry.forget(mf.array)
-                mf.close()
-                self._request({"op": "release", "path": path})
-            else:
-                self._unleases.append(reply["buffer"])
-
-        self._bg.submit(release)
-        return out
+        return reply, mf
 
     def latest_step(self) -> int | None:
         """The newest step some tier can serve (memory, or the persistent tier), or None."""
@@ -601,6 +707,7 @@ def connect(
     host: str | None = None,
     root: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
+    incremental: bool | None = None,
 ) -> Store:
     """Connect this training rank to the daemon of its host.
 
@@ -612,6 +719,10 @@ def connect(
     seconds for the daemon, then raises :class:`DaemonUnavailableError` naming the hosts whose
     daemons do answer; a job that never ran under ``root`` fails within 5 s, naming the jobs
     that did.
+
+    With ``incremental`` (default: on, unless ``ECSNAP_INCREMENTAL=0``), a put stores the
+    tensors unchanged since this rank's last protected put as references to that step's bytes
+    (see :mod:`storage.delta`).
 
     >>> with connect("myjob", rank=0, world_size=1) as store:   # doctest: +SKIP
     ...     store.put(0, {"w": torch.ones(3)}).wait()
@@ -632,4 +743,14 @@ def connect(
     start = time.monotonic()
     host = discovery.host_of(job, root_path, rank, host or os.environ.get("ECSNAP_HOST"), timeout)
     left = max(timeout - (time.monotonic() - start), 0.1)
-    return Store(job, rank=rank, world_size=world_size, host=host, root=root_path, timeout=left)
+    if incremental is None:
+        incremental = os.environ.get("ECSNAP_INCREMENTAL", "1") != "0"
+    return Store(
+        job,
+        rank=rank,
+        world_size=world_size,
+        host=host,
+        root=root_path,
+        timeout=left,
+        incremental=incremental,
+    )

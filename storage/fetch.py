@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from codec import checksum
-from storage.catalog import StepState
 from storage.errors import StepNotFoundError
 from storage.host import Host
 from storage.protocol import Fetch, Offer
@@ -96,7 +95,7 @@ class Fetcher:
         h = self.host
         rec = h.catalog.steps.get(f.step)
         loc = h.local.get(f.step)
-        if rec is None or rec.state != StepState.PROTECTED or loc is None:
+        if rec is None or not rec.state.held or loc is None:
             return None
         shard = rec.shards.get(f.rank)
         if shard is None or shard.slot != h.slot or f.rank not in loc.buffers:

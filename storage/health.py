@@ -22,7 +22,7 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
     with h.lock:
         data = parity = tables = 0
         for r in h.catalog.steps.values():
-            if r.state != StepState.PROTECTED:
+            if not r.state.held:  # pinned steps hold memory too
                 continue
             mine = [s for s in r.shards.values() if s.slot == h.slot]
             data += sum(s.nbytes for s in mine)

@@ -69,6 +69,7 @@ class Local:
     prepared: bool = False
     stored: bool = False
     manifest: bool = False
+    pinned_manifest: bool = False  # the manifest says the step is pinned
     data_crc: list[int] = field(default_factory=list)
     crc_job: Any = None  # Future[list[int]] of the data checksums, while they run
     parity_crc: list[int] = field(default_factory=list)

@@ -150,20 +150,31 @@ def _header(meta: dict[str, Any], names: list[str]) -> tuple[bytes, list[Leaf]]:
 
 
 def write_rank(
-    path: Path, meta: dict[str, Any], data: Any, pause: Callable[[], None] | None = None
+    path: Path,
+    meta: dict[str, Any],
+    data: Any,
+    pause: Callable[[], None] | None = None,
+    base: Any = None,
 ) -> dict[str, Any]:
     """Write one rank's shard (``data``: its bytes as laid out in memory) as a safetensors file;
     fsync it. Returns the manifest entry's file part: name, bytes, CRC-32. ``pause`` runs before
-    each 16 MiB piece (the daemon holds the writer there while a trainer is staging a put)."""
+    each 16 MiB piece (the daemon holds the writer there while a trainer is staging a put).
+    Leaves marked ``ref`` are read from ``base`` (the base step's shard): the file is whole."""
     names = leaf_names(meta["skeleton"], len(meta["leaves"]))
     head, leaves = _header(meta, names)
     crc = checksum(head)
     total = len(head)
-    view = memoryview(data).cast("B")
+    own = memoryview(data).cast("B")
+    referred = memoryview(base).cast("B") if base is not None else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         _write_all(fd, head)
         for leaf in leaves:
+            view = own
+            if leaf.ref:
+                if referred is None:
+                    raise PersistError(f"{path}: a leaf refers to a base step that is not given")
+                view = referred
             for o in range(leaf.offset, leaf.offset + leaf.nbytes, _IO):
                 if pause is not None:
                     pause()

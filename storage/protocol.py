@@ -40,6 +40,7 @@ __all__ = [
     "Lost",
     "Offer",
     "PersistFailed",
+    "Pin",
     "Prepared",
     "Repair",
     "Repaired",
@@ -49,6 +50,7 @@ __all__ = [
     "Staged",
     "StepState",
     "Stored",
+    "Unpin",
     "event_from_json",
     "parse_request",
 ]
@@ -61,6 +63,10 @@ class StepState(str, enum.Enum):
     ENCODING --(every daemon stored its parity)--> PROTECTED
     STAGING or READY --(a daemon could not prepare; ranks that disagree)--> FAILED
     PROTECTED --(more than m chunks of a stripe lost)--> LOST
+    PROTECTED --(retention or a delete, while a kept step of the group refers to it)--> PINNED
+
+    A ``PINNED`` step is gone for readers, but its group keeps its chunks: the unchanged
+    tensors of later steps are references to its bytes (see :mod:`storage.delta`).
     """
 
     STAGING = "staging"
@@ -69,6 +75,7 @@ class StepState(str, enum.Enum):
     PROTECTED = "protected"
     FAILED = "failed"
     LOST = "lost"
+    PINNED = "pinned"
 
     def __str__(self) -> str:
         return self.value
@@ -76,6 +83,11 @@ class StepState(str, enum.Enum):
     @property
     def in_flight(self) -> bool:
         return self in (StepState.STAGING, StepState.READY, StepState.ENCODING)
+
+    @property
+    def held(self) -> bool:
+        """Its chunks are kept, checked and rebuilt: protected, or pinned by a later step."""
+        return self in (StepState.PROTECTED, StepState.PINNED)
 
 
 # -- the ballot ------------------------------------------------------------------------------------
@@ -157,13 +169,16 @@ class ShardRecord:
 
     ``table`` is (offset, length) of the shard's tensor table (its structure, dtypes, shapes and
     offsets, JSON) inside the shard's own bytes: it is erasure-coded and rebuilt with them, and
-    read from there; it never travels in a round."""
+    read from there; it never travels in a round. ``base`` is the earlier step whose shard of
+    the same rank holds this shard's unchanged tensors (-1: none, the shard is whole); the
+    group keeps that step's chunks while this record is kept."""
 
     rank: int
     slot: int
     nbytes: int
     buffer: str
     table: tuple[int, int]
+    base: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -172,13 +187,19 @@ class ShardRecord:
             "nbytes": self.nbytes,
             "buffer": self.buffer,
             "table": list(self.table),
+            "base": self.base,
         }
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> ShardRecord:
         off, length = d["table"]
         return ShardRecord(
-            int(d["rank"]), int(d["slot"]), int(d["nbytes"]), str(d["buffer"]), (off, length)
+            int(d["rank"]),
+            int(d["slot"]),
+            int(d["nbytes"]),
+            str(d["buffer"]),
+            (off, length),
+            int(d.get("base", -1)),
         )
 
 
@@ -224,6 +245,27 @@ class Stored(Event):
     parity: str | None
     crc: dict[str, list[int]]
     parity_bytes: int
+
+
+@dataclass(frozen=True)
+class Pin(Event):
+    """Rank ``rank`` will put ``step`` with references to its shard of ``base`` (group only):
+    applied alike on every host of the group, it keeps ``base`` from being freed until the
+    shard's record (or an :class:`Unpin`) replaces it; refused if ``base`` is gone already."""
+
+    kind: ClassVar[str] = "pin"
+    step: int
+    rank: int
+    base: int
+
+
+@dataclass(frozen=True)
+class Unpin(Event):
+    """The put that pinned ``base`` for (``step``, ``rank``) was given up (group only)."""
+
+    kind: ClassVar[str] = "unpin"
+    step: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -296,13 +338,26 @@ class PersistFailed(Event):
     error: str
 
 
-GROUP_EVENTS = frozenset({"staged", "stored"})
+GROUP_EVENTS = frozenset({"staged", "stored", "pin", "unpin"})
 RARE_EVENTS = frozenset(
     {"delete", "fetch", "offer", "repair", "repaired", "lost", "persist_failed"}
 )
 _KINDS: dict[str, type[Event]] = {
     c.kind: c
-    for c in (Staged, Prepared, Stored, Delete, Fetch, Offer, Repair, Repaired, Lost, PersistFailed)
+    for c in (
+        Staged,
+        Prepared,
+        Stored,
+        Pin,
+        Unpin,
+        Delete,
+        Fetch,
+        Offer,
+        Repair,
+        Repaired,
+        Lost,
+        PersistFailed,
+    )
 }
 
 
@@ -326,8 +381,15 @@ class HelloRequest(TypedDict):
     rank: int
 
 
-class AllocRequest(TypedDict):
-    """A buffer of ``nbytes`` for rank ``rank``'s shard of ``step``."""
+class _WithBase(TypedDict, total=False):
+    base: int
+    dry: bool  # alloc: check the put only (a put with references allocates later)
+
+
+class AllocRequest(_WithBase):
+    """A buffer of ``nbytes`` for rank ``rank``'s shard of ``step``; with ``base``, the shard
+    refers to that earlier step's shard of the rank for its unchanged tensors (the reply's
+    ``base`` says whether the daemon could keep it: None means put the whole shard)."""
 
     op: str
     step: int
@@ -336,7 +398,7 @@ class AllocRequest(TypedDict):
     nbytes: int
 
 
-class StagedRequest(TypedDict):
+class StagedRequest(_WithBase):
     """The shard's bytes are in the buffer ``alloc`` gave, its tensor table at ``table``
     (offset, length)."""
 
@@ -368,6 +430,7 @@ class GetRequest(TypedDict, total=False):
     step: int | None  # None: the newest protected step
     rank: int
     meta_only: bool
+    base_of: int  # the shard of ``step`` that the protected step ``base_of`` refers to
 
 
 class ReleaseRequest(TypedDict):

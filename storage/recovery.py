@@ -72,6 +72,7 @@ def manifest_of(rec: StepRec, catalog: Catalog, job: str, hosts: list[str]) -> d
         "shards": [s.to_json() for s in sorted(rec.shards.values(), key=lambda s: s.rank)],
         "crc": {str(slot): rec.stored[slot] for slot in sorted(rec.stored)},
         "parity": {str(slot): name for slot, name in sorted(rec.parity.items())},
+        "pinned": rec.state == StepState.PINNED,
     }
 
 
@@ -125,7 +126,7 @@ def rec_from_manifest(m: dict[str, Any], catalog: Catalog) -> StepRec:
     rec = StepRec(
         int(m["step"]),
         int(m["world_size"]),
-        state=StepState.PROTECTED,
+        state=StepState.PINNED if m.get("pinned") else StepState.PROTECTED,
         data_bytes=int(m["data_bytes"]),
         parity_bytes=int(m["parity_bytes"]),
         chunk_bytes=int(m["step_chunk_bytes"]),

@@ -148,6 +148,11 @@ class Repairer:
                 f"step {rec.step} cannot be rebuilt: more than m chunks of a stripe "
                 f"lost on {hosts} (ranks {ranks})"
             )
+            for later, refs in h.catalog.lose_referrers(rec.step, hosts):
+                self.lost.append(Lost(later.step, hosts, refs))
+                h.stats["lost_steps"] += 1
+                h.remove_manifest(later.step)
+                h.log(f"step {later.step} is lost with it: ranks {refs} refer to its tensors")
             return
         g = h.group
         layout, pos = h.my_layout(rec)
@@ -270,7 +275,7 @@ class Repairer:
         if loc is not None:
             loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == h.slot}
             loc.parity = rec.parity.get(h.slot)
-            if rec.state == StepState.PROTECTED:
+            if rec.state.held:
                 h.write_manifest(rec, loc)
 
     def _chain_window(
@@ -440,7 +445,7 @@ class Repairer:
             # one older step per round, so puts and reads go on between rebuilds
             step, erased = self.deferred.pop(0)
             rec = h.catalog.steps.get(step)
-            if rec is not None and rec.state == StepState.PROTECTED:
+            if rec is not None and rec.state.held:
                 try:
                     self.repair(rec, erased)
                 except CapacityError as exc:
@@ -448,7 +453,7 @@ class Repairer:
             self.deferred_changed()
         for r in repairs:
             rec = h.catalog.steps.get(r.step)
-            if rec is None or rec.state != StepState.PROTECTED:
+            if rec is None or not rec.state.held:
                 continue
             wanted = {r.slot: Erasures(set(r.data), set(r.parity))}
             # A read found chunks of a step whose start-up rebuild is still queued: rebuild all

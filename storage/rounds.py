@@ -39,12 +39,14 @@ from storage.protocol import (
     Lost,
     Offer,
     PersistFailed,
+    Pin,
     Prepared,
     Repair,
     Repaired,
     ShardRecord,
     Staged,
     Stored,
+    Unpin,
 )
 from storage.repair import Repairer
 from storage.tier import Tier
@@ -125,6 +127,8 @@ class Rounds:
                         ballot.add(lane, Ballot.STORED, 1)
                         ballot.add(lane, Ballot.PARITY_BYTES, ev.parity_bytes)
                         group_out.append(ev.to_json())
+                elif isinstance(ev, (Pin, Unpin)):
+                    group_out.append(ev.to_json())
                 else:
                     rare_out.append(ev.to_json())
             for step in list(self.waiting):
@@ -189,6 +193,7 @@ class Rounds:
             persisted = job.job_max(Ballot.PERSISTED_NEG)
             if persisted is not None:
                 self.tier.written_everywhere(-persisted)
+            h.catalog.release_pins()  # their files go in this round's local work
             h.cond.notify_all()
 
     def _group_event(self, slot: int, raw: dict[str, Any]) -> None:
@@ -205,6 +210,10 @@ class Rounds:
                 loc.t.setdefault("staged", time.monotonic())
         elif kind == "stored":
             h.catalog.stored(slot, int(raw["step"]), raw.get("parity"), raw.get("crc", {}))
+        elif kind == "pin":
+            h.catalog.pin(int(raw["step"]), int(raw["rank"]), int(raw["base"]))
+        elif kind == "unpin":
+            h.catalog.unpin(int(raw["step"]), int(raw["rank"]))
 
     def _rare_event(self, raw: dict[str, Any]) -> None:
         h = self.host
@@ -294,6 +303,9 @@ class Rounds:
                         t0 = loc.t.get("staged", loc.t.get("ready", 0.0))
                         phases = " ".join(f"{k}=+{(v - t0) * 1e3:.1f}ms" for k, v in loc.t.items())
                         h.log(f"step {rec.step}: {phases}")
+                if rec.state == StepState.PINNED and not loc.pinned_manifest:
+                    h.write_manifest(rec, loc)  # says so: a restart keeps it for its referrers
+                    loc.pinned_manifest = True
                 if rec.state == StepState.FAILED:
                     self.forget(rec.step)
             for step in [s for s in h.local if s not in h.catalog.steps]:

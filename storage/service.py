@@ -40,6 +40,7 @@ from storage.protocol import (
     Delete,
     GetRequest,
     HelloRequest,
+    Pin,
     PlainRequest,
     ReleaseRequest,
     RequestError,
@@ -49,6 +50,7 @@ from storage.protocol import (
     StagedRequest,
     StepRequest,
     UnleaseRequest,
+    Unpin,
     WaitRequest,
     parse_request,
 )
@@ -109,6 +111,8 @@ class Service:
                 h.t_alloc.pop(key, None)
                 if name:
                     h.pool.release(name)
+                if key in h.catalog.pins:
+                    h.events.append(Unpin(*key))
 
     def _count(self, exc: StorageError) -> None:
         h = self.host
@@ -148,6 +152,12 @@ class Service:
                 raise StepExistsError(
                     f"step {step} was already put by every rank (it is {rec.state}; steps are "
                     "write-once); delete it first or put a new step"
+                    + (
+                        " (a pinned step is gone for readers, but later steps still refer to "
+                        "its tensors)"
+                        if rec.state == StepState.PINNED
+                        else ""
+                    )
                 )
             if (step, rank) in h.pending:
                 raise StepExistsError(f"rank {rank} is already putting step {step}")
@@ -155,6 +165,8 @@ class Service:
                 raise StorageError(
                     f"step {step} is being put with world_size {rec.world_size}, not {world}"
                 )
+            if msg.get("dry"):
+                return {}  # checked only: the put allocates once it knows what changed
             h.pending[(step, rank)] = ""
         try:
             reserve = -(-nbytes * h.m // h.group.k)
@@ -168,7 +180,38 @@ class Service:
             h.pending[(step, rank)] = buf.name
             h.pending_conn[(step, rank)] = conn
             h.t_alloc[(step, rank)] = time.monotonic()
-        return {"buffer": buf.name, "path": str(h.pool.path(buf.name)), "size": buf.size}
+        base = msg.get("base")
+        if base is not None and not self._pin(step, rank, base):
+            base = None
+        return {
+            "buffer": buf.name,
+            "path": str(h.pool.path(buf.name)),
+            "size": buf.size,
+            "base": base,
+        }
+
+    def _pin(self, step: int, rank: int, base: int) -> bool:
+        """Keep ``base`` for a put of ``step`` that refers to it, on every host of the group
+        alike (one round); False if it is gone already (the rank then puts its whole shard)."""
+        h = self.host
+        key = (step, rank)
+        with h.lock:
+            held = h.catalog.steps.get(base)
+            shard = held.shards.get(rank) if held is not None else None
+            if held is None or not held.state.held or shard is None or shard.slot != h.slot:
+                return False
+            h.catalog.pin_refused.discard(key)
+        h.emit(Pin(step, rank, base))
+        h.wait_for(
+            lambda: key in h.catalog.pins or key in h.catalog.pin_refused,
+            h.config.peer_timeout,
+            f"keeping step {base} for step {step} rank {rank}",
+        )
+        with h.lock:
+            if key in h.catalog.pin_refused:
+                h.catalog.pin_refused.discard(key)
+                return False
+        return True
 
     def _op_staged(self, msg: StagedRequest, conn: int) -> dict[str, Any]:
         h = self.host
@@ -187,7 +230,13 @@ class Service:
             t_alloc = h.t_alloc.get((step, rank))
             if t_alloc is not None:
                 h.latency.stage.observe(time.monotonic() - t_alloc)
-            shard = ShardRecord(rank, h.slot, nbytes, name, (table[0], table[1]))
+            base = msg.get("base", -1)
+            if base >= 0 and h.catalog.pins.get((step, rank)) != base:
+                raise StorageError(
+                    f"step {step} rank {rank} refers to step {base}, which this put did not "
+                    "announce in its alloc; put the whole shard"
+                )
+            shard = ShardRecord(rank, h.slot, nbytes, name, (table[0], table[1]), base)
             h.events.append(Staged(step, world, shard))
         h.wake.set()
         return {}
@@ -198,7 +247,10 @@ class Service:
         with h.lock:
             name = h.pending.pop((step, rank), None)
             h.pending_conn.pop((step, rank), None)
+            pinned = (step, rank) in h.catalog.pins
         h.pool.release(name or None)
+        if pinned:
+            h.emit(Unpin(step, rank))
         return {}
 
     def _op_wait(self, msg: WaitRequest, conn: int) -> dict[str, Any]:
@@ -290,6 +342,8 @@ class Service:
         rank = msg["rank"]
         want = msg.get("step")
         meta_only = bool(msg.get("meta_only"))
+        if "base_of" in msg:
+            return self._get_base(msg["base_of"], want, rank, meta_only, conn)
         self.tier.await_restore(want)
         for _attempt in range(3):
             disk = self.tier.steps()
@@ -308,46 +362,77 @@ class Service:
                 raise StepNotFoundError(
                     f"step {rec.step} has no rank {rank} (world_size {rec.world_size})", rec.step
                 )
-            shard = rec.shards.get(rank)
-            if shard is not None and shard.slot == h.slot:
-                bad = self.repairer.lost_chunks(rec, rank)
-                if not bad:
-                    if meta_only:
-                        return {"step": rec.step, "meta": h.table(rec, rank)}
-                    self.leases.take(shard.buffer, conn)
-                    return {
-                        "step": rec.step,
-                        "nbytes": shard.nbytes,
-                        "table": list(shard.table),
-                        "path": str(h.pool.path(shard.buffer)),
-                        "size": h.pool.get(shard.buffer).size,
-                        "buffer": shard.buffer,
-                        "temp": False,
-                    }
-                h.log(
-                    f"step {rec.step} rank {rank}: {len(bad)} chunk(s) missing or failing "
-                    "their checksum here; repairing from the group"
-                )
-                self.repairer.request(rec.step, h.slot, bad)
-                continue
-            # held by another host (of this group or another): it is fetched
-            result = self.fetcher.fetch(rec.step, rank, table_only=meta_only)
-            if "bad" in result:
-                self.repairer.request(rec.step, int(result["slot"]), result["bad"])
-                continue
-            if meta_only:
-                return {"step": rec.step, "meta": result["meta"]}
-            return {
-                "step": rec.step,
-                "nbytes": result["size"],
-                "table": result["table"],
-                "path": result["path"],
-                "size": result["size"],
-                "temp": True,
-            }
+            reply = self._serve(rec.step, rec.shards.get(rank), rank, meta_only, conn)
+            if reply is not None:
+                return reply
         raise StorageError(
             f"step {want} rank {rank}: chunks still fail their checksums after repair"
         )
+
+    def _get_base(
+        self, referrer: int, base: Any, rank: int, meta_only: bool, conn: int
+    ) -> dict[str, Any]:
+        """Rank ``rank``'s shard of ``base``, which its shard of the protected step ``referrer``
+        refers to for its unchanged tensors (``base`` itself may be gone for readers: pinned)."""
+        h = self.host
+        if type(base) is not int or base < 0:
+            raise StorageError(f"step must be an int >= 0, got {base!r}")
+        for _attempt in range(3):
+            self._resolve(referrer)  # kept, so its base is kept too
+            with h.lock:
+                rec = h.catalog.steps.get(base)
+                shard = rec.shards.get(rank) if rec is not None and rec.state.held else None
+            reply = self._serve(base, shard, rank, meta_only, conn)
+            if reply is not None:
+                return reply
+        raise StorageError(
+            f"step {base} rank {rank}: chunks still fail their checksums after repair"
+        )
+
+    def _serve(
+        self, step: int, shard: ShardRecord | None, rank: int, meta_only: bool, conn: int
+    ) -> dict[str, Any] | None:
+        """The reply for ``rank``'s shard of ``step``: from this host's memory if ``shard`` is
+        here, else fetched from the host holding it; None if chunks failed their checksums
+        (a repair was asked for: try again)."""
+        h = self.host
+        if shard is not None and shard.slot == h.slot:
+            rec = h.catalog.steps[step]
+            bad = self.repairer.lost_chunks(rec, rank)
+            if not bad:
+                if meta_only:
+                    return {"step": step, "meta": h.table(rec, rank)}
+                self.leases.take(shard.buffer, conn)
+                return {
+                    "step": step,
+                    "nbytes": shard.nbytes,
+                    "table": list(shard.table),
+                    "path": str(h.pool.path(shard.buffer)),
+                    "size": h.pool.get(shard.buffer).size,
+                    "buffer": shard.buffer,
+                    "temp": False,
+                }
+            h.log(
+                f"step {step} rank {rank}: {len(bad)} chunk(s) missing or failing "
+                "their checksum here; repairing from the group"
+            )
+            self.repairer.request(step, h.slot, bad)
+            return None
+        # held by another host (of this group or another): it is fetched
+        result = self.fetcher.fetch(step, rank, table_only=meta_only)
+        if "bad" in result:
+            self.repairer.request(step, int(result["slot"]), result["bad"])
+            return None
+        if meta_only:
+            return {"step": step, "meta": result["meta"]}
+        return {
+            "step": step,
+            "nbytes": result["size"],
+            "table": result["table"],
+            "path": result["path"],
+            "size": result["size"],
+            "temp": True,
+        }
 
     def _op_release(self, msg: ReleaseRequest, conn: int) -> dict[str, Any]:
         path = Path(msg["path"])
@@ -376,7 +461,7 @@ class Service:
         disk = self.tier.steps()
         with h.lock:
             rec = h.catalog.steps.get(step)
-            if rec is not None:
+            if rec is not None and rec.state != StepState.PINNED:
                 done = rec.state in (StepState.PROTECTED, StepState.LOST)
                 return {
                     "step": step,
@@ -408,13 +493,16 @@ class Service:
     def _op_delete(self, msg: StepRequest, conn: int) -> dict[str, Any]:
         h = self.host
         step = msg["step"]
+
+        def gone() -> bool:
+            rec = h.catalog.steps.get(step)
+            return rec is None or rec.state == StepState.PINNED
+
         with h.lock:
-            if step not in h.catalog.steps:
+            if gone():
                 raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
         h.emit(Delete(step))
-        h.wait_for(
-            lambda: step not in h.catalog.steps, h.config.peer_timeout, f"deleting step {step}"
-        )
+        h.wait_for(gone, h.config.peer_timeout, f"deleting step {step}")
         h.after_next_round()  # every host has removed its manifest: a restart agrees
         return {}
 

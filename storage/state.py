@@ -33,6 +33,7 @@ __all__ = [
     "copy_pieces",
     "flatten",
     "pack_table",
+    "source_bytes",
     "stage",
     "table_place",
     "unflatten_views",
@@ -210,35 +211,55 @@ def copy_pieces(
         f.result()
 
 
+def source_bytes(leaf: Leaf) -> np.ndarray[Any, Any] | None:
+    """A leaf's bytes as a flat uint8 view (see :func:`_source_bytes`); None for a CUDA leaf."""
+    return None if leaf.device.startswith("cuda") else _source_bytes(leaf)
+
+
 def stage(
     leaves: list[Leaf],
     dest: np.ndarray[Any, Any],
     pool: ThreadPoolExecutor | None,
     *,
     skip_cuda: bool = False,
+    sources: list[np.ndarray[Any, Any] | None] | None = None,
 ) -> None:
-    """Copy every leaf into ``dest`` (the shard's shared-memory view) at its offset.
+    """Copy every leaf into ``dest`` (the shard's shared-memory view) at its offset; a leaf
+    marked ``ref`` lies in the base step's shard already and is not copied.
 
-    With ``skip_cuda``, CUDA leaves are left to :class:`storage.gpu.DeviceCopier`.
+    With ``skip_cuda``, CUDA leaves are left to :class:`storage.gpu.DeviceCopier`. ``sources``
+    are the leaves' bytes if the caller has them already (:func:`source_bytes`).
     """
     jobs = []
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
         if skip_cuda and leaf.device.startswith("cuda"):
             continue
-        if leaf.nbytes:
-            jobs.append((dest[leaf.offset : leaf.offset + leaf.nbytes], _source_bytes(leaf)))
+        if leaf.nbytes and not leaf.ref:
+            src = sources[i] if sources is not None else None
+            if src is None:
+                src = _source_bytes(leaf)
+            jobs.append((dest[leaf.offset : leaf.offset + leaf.nbytes], src))
     copy_pieces(jobs, pool)
 
 
-def unflatten_views(skeleton: Any, leaf_meta: list[dict[str, Any]], buffer: Any) -> Any:
+def unflatten_views(
+    skeleton: Any, leaf_meta: list[dict[str, Any]], buffer: Any, base: Any = None
+) -> Any:
     """Rebuild the state with tensors and arrays that are views of ``buffer`` (no copy).
 
     ``buffer`` is a writable buffer object (a private mapping of the shard); every view keeps it
-    alive, so it lives exactly as long as the returned tensors do.
+    alive, so it lives exactly as long as the returned tensors do. Leaves marked ``ref`` are
+    views of ``base``, the mapping of the base step's shard.
     """
     made: list[Any] = []
+    whole = buffer
     for meta in leaf_meta:
         leaf = Leaf.from_meta(meta)
+        buffer = whole
+        if leaf.ref:
+            if base is None:
+                raise UnsupportedTypeError("a leaf refers to a base step's shard not given")
+            buffer = base
         if leaf.kind == "torch":
             dtype = _torch_dtype(leaf.dtype)
             if leaf.nbytes == 0:

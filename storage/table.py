@@ -1,6 +1,10 @@
 """A shard's tensor table: its leaves (dtype, shape, offset, size) and its skeleton, stored as JSON
 in the shard's own bytes after the leaves, and where it lies there.
 
+A shard put with references (see :mod:`storage.delta`) names its ``base`` step; each leaf marked
+``ref`` lies in that step's shard of the same rank, at its ``offset`` there. Every leaf may carry
+the digest of its bytes (XXH3-128, hex), which the next put compares.
+
 No torch here: the daemon reads tables (for ``structure``, the persistent tier) without it.
 """
 
@@ -10,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIGN", "Leaf", "pack_table", "table_place"]
+__all__ = ["ALIGN", "Leaf", "aligned", "pack_table", "table_place", "whole"]
 
 ALIGN = 64
 
@@ -27,6 +31,8 @@ class Leaf:
     source: Any = None  # the object to copy from (put side only)
     requires_grad: bool = False
     device: str = "cpu"
+    digest: str | None = None  # XXH3-128 of its bytes, hex, where the put computed it
+    ref: bool = False  # its bytes lie in the base step's shard, at ``offset`` there
 
     def meta(self) -> dict[str, Any]:
         out = {
@@ -40,6 +46,10 @@ class Leaf:
             out["rg"] = True
         if self.device != "cpu":
             out["dev"] = self.device
+        if self.digest is not None:
+            out["h"] = self.digest
+        if self.ref:
+            out["r"] = True
         return out
 
     @staticmethod
@@ -52,13 +62,34 @@ class Leaf:
             nbytes=meta["n"],
             requires_grad=bool(meta.get("rg", False)),
             device=str(meta.get("dev", "cpu")),
+            digest=meta.get("h"),
+            ref=bool(meta.get("r", False)),
         )
 
 
-def pack_table(skeleton: Any, leaves: list[dict[str, Any]]) -> bytes:
+def pack_table(skeleton: Any, leaves: list[dict[str, Any]], base: int | None = None) -> bytes:
     """A shard's tensor table: its skeleton and every leaf's dtype, shape and offset, as JSON.
     It is stored in the shard's own bytes, after the leaves (see :func:`table_place`)."""
-    return json.dumps({"skeleton": skeleton, "leaves": leaves}, separators=(",", ":")).encode()
+    body: dict[str, Any] = {"skeleton": skeleton, "leaves": leaves}
+    if base is not None:
+        body["base"] = base
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def whole(leaves: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The leaves of a shard laid out whole, as if put without references: (their metadata with
+    fresh offsets and no ``ref`` marks, the bytes they take)."""
+    out, offset = [], 0
+    for meta in leaves:
+        m = {k: v for k, v in meta.items() if k != "r"}
+        m["o"] = offset
+        out.append(m)
+        offset = aligned(offset + int(meta["n"]))
+    return out, offset
 
 
 def table_place(data_nbytes: int, table_nbytes: int) -> tuple[int, int]:

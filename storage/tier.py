@@ -37,7 +37,7 @@ from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
 from storage.protocol import PersistFailed, ShardRecord, Staged
-from storage.table import pack_table, table_place
+from storage.table import pack_table, table_place, whole
 from transport import shm
 
 __all__ = ["Tier"]
@@ -86,16 +86,26 @@ class Tier:
         if rec.step % h.config.persist_every:
             return
         on_disk = persist.step_dir(self.root, h.config.job, rec.step).exists()  # put back
-        mine = [] if on_disk else [(r, s) for r, s in rec.shards.items() if s.slot == h.slot]
-        for _, shard in mine:
+        mine: list[tuple[int, ShardRecord, ShardRecord | None]] = []
+        if not on_disk:
+            for r, shard in sorted(rec.shards.items()):
+                if shard.slot != h.slot:
+                    continue
+                held = h.catalog.steps.get(shard.base) if shard.base >= 0 else None
+                mine.append((r, shard, held.shards.get(r) if held is not None else None))
+        for _, shard, base in mine:
             self.leases.take(shard.buffer, PERSIST)  # kept past retention until written
+            if base is not None:
+                self.leases.take(base.buffer, PERSIST)
         if not on_disk:
             self.unpublished[rec.step] = rec.world_size
         self._writer.submit(self._write, rec.step, mine)
 
-    def _write(self, step: int, mine: list[tuple[int, ShardRecord]]) -> None:
+    def _write(self, step: int, mine: list[tuple[int, ShardRecord, ShardRecord | None]]) -> None:
         """Write this host's shards of ``step`` to the partial directory (writer thread): each
-        rank's safetensors file and its manifest entry beside it."""
+        rank's safetensors file and its manifest entry beside it. A shard that refers to a base
+        step is written whole, its unchanged tensors read from the base's shard: every step on
+        disk is readable alone."""
         h = self.host
         assert self.root is not None
         _lower_priority()
@@ -105,14 +115,25 @@ class Tier:
                 partial = persist.partial_dir(self.root, h.config.job, step)
                 partial.mkdir(mode=0o700, parents=True, exist_ok=True)
             written = 0
-            for rank, shard in mine:
+            for rank, shard, base in mine:
                 array = h.pool.get(shard.buffer).file.array
                 off, length = shard.table
                 meta = json.loads(array[off : off + length].tobytes())
+                referred = None
+                if shard.base >= 0:
+                    if base is None:
+                        raise StorageError(f"rank {rank}'s base step {shard.base} is not held")
+                    referred = h.pool.get(base.buffer).file.array[: base.table[0]]
                 entry = persist.write_rank(
-                    partial / f"rank-{rank}.safetensors", meta, array[:off], self._yield_to_puts
+                    partial / f"rank-{rank}.safetensors",
+                    meta,
+                    array[:off],
+                    self._yield_to_puts,
+                    base=referred,
                 )
-                entry.update(meta=meta, nbytes=off, host=h.name)
+                leaves, nbytes = whole(meta["leaves"])
+                meta = {"skeleton": meta["skeleton"], "leaves": leaves}
+                entry.update(meta=meta, nbytes=nbytes, host=h.name)
                 _write_json(partial / f"rank-{rank}.json", entry)
                 written += int(entry["bytes"])
             h.stats["persist_bytes"] += written
@@ -120,8 +141,10 @@ class Tier:
         except (OSError, StorageError, KeyError, ValueError) as exc:
             h.emit(PersistFailed(step, f"{type(exc).__name__}: {exc}"))
         finally:
-            for _, shard in mine:
+            for _, shard, base in mine:
                 self.leases.end(shard.buffer, PERSIST)
+                if base is not None:
+                    self.leases.end(base.buffer, PERSIST)
             with h.lock:
                 self.through = step
             h.wake.set()

@@ -1,0 +1,134 @@
+"""Snapshots that cost what changed: which leaves of a put are unchanged since the rank's last
+protected put, and where their bytes already lie.
+
+A put's leaves are compared with those of the rank's newest protected put (:class:`Kept`). A
+leaf is taken for unchanged only when its bytes hash (XXH3-128) to the digest of bytes that a
+held shard already stores, with the same kind, dtype and shape; it is then stored as a reference
+to that shard (the *base* step): no copy, no encode, no network, no new memory. Everything else
+is copied as before.
+
+Version counters only ever say "changed": a CPU tensor whose storage is where it was and whose
+``_version`` moved was written in place (an optimizer step, foreach or fused), so it is copied
+without hashing. A counter that did not move proves nothing (writes through ``.data``, a numpy
+view, another tensor on the same storage, or memory torch does not track leave it alone), so
+those leaves are hashed. A fully trained model therefore pays no hashing after its first put; a
+frozen one pays one read of its frozen bytes per put, against a copy, an encode and a send.
+
+One base per shard: the references of a shard all point into one earlier step of the same rank
+(the base the group keeps while the shard is kept, see :mod:`storage.catalog`). The base is the
+one of two candidates (the last put's own base, or the last put itself) that holds more of the
+unchanged bytes; a shard is put whole when that base would hold less than half of its own bytes
+in use, so a kept base never wastes more than its own size.
+
+CUDA leaves are always copied (hashing them would need their bytes on the host first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from storage.table import Leaf, aligned
+
+__all__ = ["Kept", "Plan", "digest", "mark", "plan"]
+
+Key = tuple[str, str, tuple[int, ...], str]  # kind, dtype, shape, digest
+
+
+def digest(data: np.ndarray[Any, Any]) -> str:
+    """XXH3-128 of a flat uint8 view, as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data.data)
+
+
+def mark(leaf: Leaf) -> tuple[int, int] | None:
+    """(storage address, version counter) of a CPU tensor leaf; None for anything else."""
+    t = leaf.source
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        return t.data_ptr(), t._version
+    return None
+
+
+def key(leaf: Leaf) -> Key | None:
+    if leaf.digest is None:
+        return None
+    return leaf.kind, str(leaf.dtype), tuple(leaf.shape), leaf.digest
+
+
+@dataclass
+class Kept:
+    """What a rank's newest protected put holds, for the next put to refer to."""
+
+    step: int
+    base: int  # the step whose shard holds this put's referenced leaves (``step``: none)
+    in_base: dict[Key, int]  # leaves held in the base's shard: key -> offset there
+    base_bytes: int  # bytes of the base's own leaves
+    own: dict[Key, int] = field(default_factory=dict)  # leaves this put holds itself (if based)
+    own_bytes: int = 0
+    marks: list[tuple[int, int] | None] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """How one put stores its leaves: ``base`` (None: whole), the bytes of its own leaves, and
+    what it refers to."""
+
+    base: int | None
+    own_bytes: int
+    ref_bytes: int
+    hashed_bytes: int
+    leaves: list[Leaf]
+    marks: list[tuple[int, int] | None]
+
+    def kept(self, step: int, last: Kept | None) -> Kept:
+        """What this put holds once protected."""
+        own = {k: leaf.offset for leaf in self.leaves if not leaf.ref and (k := key(leaf))}
+        if self.base is None or last is None:
+            return Kept(step, step, own, self.own_bytes, marks=self.marks)
+        if self.base == last.base:
+            in_base, base_bytes = last.in_base, last.base_bytes
+        else:
+            in_base, base_bytes = last.own, last.own_bytes
+        return Kept(step, self.base, in_base, base_bytes, own, self.own_bytes, self.marks)
+
+
+def plan(leaves: list[Leaf], last: Kept | None, sources: list[np.ndarray[Any, Any] | None]) -> Plan:
+    """Hash what must be hashed, choose the base, lay the leaves out (offsets and ``ref``).
+
+    ``sources[i]`` is leaf i's bytes (a flat uint8 view), or None for a CUDA leaf."""
+    marks = [mark(leaf) for leaf in leaves]
+    hashed = 0
+    for i, leaf in enumerate(leaves):
+        src = sources[i]
+        if src is None or not leaf.nbytes:
+            continue
+        was = last.marks[i] if last is not None and i < len(last.marks) else None
+        now = marks[i]
+        if was is not None and now is not None and was[0] == now[0] and was[1] != now[1]:
+            continue  # written in place since the last put: changed, no need to hash
+        leaf.digest = digest(src)
+        hashed += leaf.nbytes
+    base: int | None = None
+    refs: dict[Key, int] = {}
+    if last is not None:
+        candidates = [(last.base, last.in_base, last.base_bytes)]
+        if last.step != last.base:
+            candidates.append((last.step, last.own, last.own_bytes))
+        best = 0
+        for step, held, total in candidates:
+            found = sum(leaf.nbytes for leaf in leaves if (k := key(leaf)) in held)
+            if found > best and 2 * found >= total:
+                best, base, refs = found, step, held
+    offset = ref_bytes = 0
+    for leaf in leaves:
+        k = key(leaf)
+        if base is not None and leaf.nbytes and k is not None and k in refs:
+            leaf.ref, leaf.offset = True, refs[k]
+            ref_bytes += leaf.nbytes
+        else:
+            leaf.ref, leaf.offset = False, offset
+            offset = aligned(offset + leaf.nbytes)
+    return Plan(base, offset, ref_bytes, hashed, leaves, marks)
