@@ -1,0 +1,199 @@
+"""Snapshots that cost what changed, end to end: real daemons, real shared memory, real MPI.
+
+Four ranks on four virtual hosts, RS(3,1), ``--keep 2``: each rank's state is a large frozen
+tensor and small adapters that change every step. Checked: later puts copy, encode and send
+only the adapters; the base step stays (pinned) while kept steps refer to it and goes once
+nothing does; memory counts it once; every kept step reads back bit-exact from every host,
+after a host is lost and rebuilt, after a restart of the daemons and after a corrupted chunk of
+the shared base is repaired (once, for every step); the persistent tier writes each step whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+import storage
+from bench.harness import Cluster, close_all
+from storage.placement import Group, HostBlob, StripeLayout
+
+WORLD = 4
+FROZEN = 1 << 20  # floats per rank: 4 MiB
+ADAPTER = 1 << 12
+
+
+def _state(rank: int, step: int, frozen_seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + frozen_seed)
+    frozen = torch.randn(FROZEN, generator=g)
+    a = torch.randn(2, ADAPTER, generator=torch.Generator().manual_seed(1 + 97 * rank + step))
+    return {"base": {"w": frozen}, "lora": {"a": a[0], "b": a[1]}, "step": step}
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["step"] == want["step"]
+    assert torch.equal(got["base"]["w"], want["base"]["w"])
+    assert torch.equal(got["lora"]["a"], want["lora"]["a"])
+    assert torch.equal(got["lora"]["b"], want["lora"]["b"])
+
+
+def _put(stores: list[storage.Store], step: int, states: dict[int, Any]) -> list[Any]:
+    handles = [s.put(step, states[r]) for r, s in enumerate(stores)]
+    for h in handles:
+        h.wait(60)
+    return handles
+
+
+def _manifests(root: Path, job: str) -> dict[str, list[str]]:
+    return {
+        f"host{h}": sorted(p.name for p in (root / job / f"host{h}" / "steps").glob("*.json"))
+        for h in range(4)
+    }
+
+
+def _check(c: Cluster, steps: list[int], states: dict[int, dict[int, Any]]) -> None:
+    """Every rank of every step, read on every host (own and foreign: fetched)."""
+    stores = c.stores(WORLD)
+    try:
+        for s in stores:
+            assert set(steps) <= set(s.steps())  # (and steps on disk)
+            for step in steps:
+                for r in range(WORLD):
+                    _same(s.get(step, rank=r), states[step][r])
+    finally:
+        close_all(stores)
+
+
+def _chunks_of(root: Path, job: str, slot: int, step: int) -> int:
+    """Data and parity chunks host ``slot`` holds of ``step`` (from its manifest)."""
+    m = json.loads((root / job / f"host{slot}" / "steps" / f"{step}.json").read_text())
+    cb = m["step_chunk_bytes"]
+    blobs = [
+        HostBlob(tuple((s["rank"], s["nbytes"]) for s in m["shards"] if s["slot"] == p), cb)
+        for p in range(4)
+    ]
+    lay = StripeLayout(Group(0, (0, 1, 2, 3), 3, 1), [len(b.chunks) for b in blobs])
+    return len(blobs[slot].chunks) + len(lay.parity_stripes[slot])
+
+
+def _wait_on_disk(root: Path, job: str, step: int) -> Path:
+    d = root / job / f"step-{step}"
+    deadline = time.monotonic() + 60
+    while not (d / "manifest.json").exists():
+        assert time.monotonic() < deadline, f"step {step} never reached {root}"
+        time.sleep(0.1)
+    return d
+
+
+def test_incremental_puts_share_pin_rebuild_and_persist(shm_root: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "persist"
+    extra = ["--keep", "2", "--persist-dir", str(disk), "--persist-every", "3"]
+    c = Cluster(shm_root, hosts=4, k=3, m=1, extra=extra)
+    states: dict[int, dict[int, Any]] = {}
+    stores: list[storage.Store] = []
+    try:
+        stores = c.stores(WORLD)
+        encoded: list[float] = []
+        sent: list[float] = []
+        for step in range(1, 5):
+            states[step] = {r: _state(r, step) for r in range(WORLD)}
+            before = [s.info() for s in stores]
+            handles = _put(stores, step, states[step])
+            after = [s.info() for s in stores]
+            encoded.append(
+                sum(
+                    a["stats"]["encode_bytes"] - b["stats"]["encode_bytes"]
+                    for a, b in zip(after, before, strict=True)
+                )
+            )
+            sent.append(
+                sum(a["sent_bytes"] - b["sent_bytes"] for a, b in zip(after, before, strict=True))
+            )
+            if step == 1:
+                assert all(h.plan.base is None for h in handles)
+            else:
+                # the frozen tensor is a reference to step 1: only the adapters were copied
+                assert all(h.plan.base == 1 for h in handles), [h.plan.base for h in handles]
+                assert all(h.plan.ref_bytes == FROZEN * 4 for h in handles)
+                assert all(h.plan.own_bytes < 3 * ADAPTER * 4 for h in handles)
+        # steps 2-4 encoded and sent a small fraction of step 1's bytes
+        assert max(encoded[1:]) < 0.05 * encoded[0], encoded
+        assert max(sent[1:]) < 0.05 * sent[0], sent
+        # --keep 2: steps 3 and 4 for readers; step 1 kept (pinned) for them, step 2 gone
+        assert stores[0].steps() == [3, 4]
+        assert all(
+            m == ["1.json", "3.json", "4.json"] for m in _manifests(shm_root, c.job).values()
+        )
+        with pytest_raises_not_found():
+            stores[0].get(1)
+        # memory counts the shared bytes once: about one full step, not three
+        held = sum(s.info()["data_bytes"] for s in stores[:1])  # every host reports its own
+        one_full = FROZEN * 4 + 2 * ADAPTER * 4
+        assert held < 1.2 * one_full, (held, one_full)
+        # the persistent tier wrote step 3 whole: readable alone, without ecsnap
+        d3 = _wait_on_disk(disk, c.job, 3)
+        for r in range(WORLD):
+            got = load_file(str(d3 / f"rank-{r}.safetensors"))
+            assert torch.equal(got["base.w"], states[3][r]["base"]["w"])
+            assert torch.equal(got["lora.a"], states[3][r]["lora"]["a"])
+        close_all(stores)
+        _check(c, [3, 4], states)
+        # a restart of the daemons keeps the sharing; a lost host is rebuilt, its base once
+        c.kill()
+        c = c.relaunch()
+        assert all(
+            m == ["1.json", "3.json", "4.json"] for m in _manifests(shm_root, c.job).values()
+        )
+        _check(c, [3, 4], states)
+        c.kill()
+        shutil.rmtree(shm_root / c.job / "host1")
+        c = c.relaunch()
+        _check(c, [3, 4], states)
+        stores = c.stores(WORLD)
+        stats = stores[1].info()["stats"]
+        # what host 1 lost, rebuilt once: step 1's shard (shared by steps 3 and 4, which hold
+        # only their adapters) and the parity of the three
+        assert stats["rebuilt_chunks"] == sum(
+            _chunks_of(shm_root, c.job, 1, st) for st in (1, 3, 4)
+        )
+        # a corrupted chunk of the shared base: repaired once, then both steps read right
+        m = json.loads((shm_root / c.job / "host2" / "steps" / "1.json").read_text())
+        shard = next(s for s in m["shards"] if s["slot"] == 2)
+        path = shm_root / c.job / "host2" / "data" / shard["buffer"]
+        with path.open("r+b") as f:
+            f.seek(1 << 20)
+            b = f.read(1)
+            f.seek(1 << 20)
+            f.write(bytes([b[0] ^ 0x5A]))
+        failures = stores[2].info()["stats"]["checksum_failures"]
+        _same(stores[2].get(4), states[4][2])
+        _same(stores[2].get(3), states[3][2])
+        assert stores[2].info()["stats"]["checksum_failures"] == failures + 1
+        # the frozen tensor changes: the next put is whole; step 1 goes once nothing refers to it
+        for step in (5, 6):
+            states[step] = {r: _state(r, step, frozen_seed=1) for r in range(WORLD)}
+            handles = _put(stores, step, states[step])
+        assert all(h.plan.base == 5 for h in handles)
+        time.sleep(0.5)  # the round after: manifests written and removed
+        assert all(m == ["5.json", "6.json"] for m in _manifests(shm_root, c.job).values())
+        close_all(stores)
+        _check(c, [5, 6], states)
+    finally:
+        close_all(stores)
+        c.stop()
+
+
+class pytest_raises_not_found:
+    """``pytest.raises(StepNotFoundError)`` (a pinned step is gone for readers)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        assert kind is storage.StepNotFoundError, kind
+        return True
