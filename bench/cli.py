@@ -15,6 +15,7 @@ BENCHMARKS = {
     "store": ("bench.store", "main"),
     "cold": ("bench.cold", "main"),
     "persist": ("bench.persist", "main"),
+    "incremental": ("bench.incremental", "main"),
     "train": ("bench.train", "main"),
     "scale": ("bench.scale", "main"),
     "faults": ("bench.faults", "main"),

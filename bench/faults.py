@@ -47,6 +47,7 @@ PEER_TIMEOUT = 6.0  # seconds: a dead peer ends the job this fast
 CLIENT_TIMEOUT = 5.0
 HANG = PEER_TIMEOUT + CLIENT_TIMEOUT + 30.0  # no single call may take longer than this
 LOGS = Path(tempfile.gettempdir()) / "ecsnap-fault-logs"
+FROZEN = 3 << 20  # bytes of each rank's state that never change (see _state)
 KEEP = 4  # retention: a protected step may be evicted once KEEP newer ones are protected
 FAULTS = [
     "kill@staging",
@@ -64,6 +65,12 @@ FAULTS = [
     "truncate-data",
     "corrupt-manifest",
 ]
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    """What a rank puts at ``step``: 750 kB that change every step beside 3 MB that never do
+    (a frozen tower), so every fault also meets puts that refer to an earlier step's bytes."""
+    return make_state(rank, step, frozen=FROZEN)
 
 
 def timed(fn: Callable[[], Any], what: str, problems: list[str]) -> Any:
@@ -149,7 +156,7 @@ class Job:
         handles = []
         try:
             for r, s in enumerate(self.stores):
-                handles.append(timed(partial(s.put, step, make_state(r, step)), "put", problems))
+                handles.append(timed(partial(s.put, step, _state(r, step)), "put", problems))
             # all at once, and the first failure ends the wait (a rank whose daemon died fails
             # fast; the others' step can then never complete)
             futures = [h.protected for h in handles]
@@ -227,7 +234,7 @@ class Job:
                     problems.append(f"step {step} rank {r}: {type(exc).__name__}: {exc}")
                     readable.append(False)
                     continue
-                ok = same(got, make_state(r, step))
+                ok = same(got, _state(r, step))
                 del got
                 if not ok:
                     problems.append(f"step {step} rank {r}: WRONG BYTES")

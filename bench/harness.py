@@ -227,6 +227,7 @@ def make_state(
     every_kind: bool = False,
     scale: int = 1,
     model: int = 0,
+    frozen: int = 0,
 ) -> dict[str, Any]:
     """The state rank ``rank`` puts at ``step``: the same for the same arguments, bit for bit.
 
@@ -238,9 +239,25 @@ def make_state(
     leaf a trainer puts: a model's, an optimizer's and a scheduler's state dicts (their width
     grows with ``scale``), each dtype ecsnap stores, views sharing storage, a non-contiguous and
     a zero-size tensor, numpy arrays and scalars, RNG states, a StatefulDataLoader's state and
-    plain values (NaN, bytes, None, an int key, a torch.Size, a dtype, an OrderedDict).
+    plain values (NaN, bytes, None, an int key, a torch.Size, a dtype, an OrderedDict). With
+    ``frozen``, also ``frozen`` bytes that are the same at every step (a frozen tower: after the
+    first put, incremental puts store them as references).
     """
     g = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    if frozen:
+        tower = torch.randn(frozen // 4, generator=torch.Generator().manual_seed(rank + 77))
+        return {
+            "frozen.w": tower,
+            **make_state(
+                rank,
+                step,
+                nbytes=nbytes,
+                tensors=tensors,
+                every_kind=every_kind,
+                scale=scale,
+                model=model,
+            ),
+        }
     if model:
         return _model_shaped(model, step, g)
     per = max(nbytes // max(tensors, 1), 8)

@@ -65,6 +65,18 @@ class IsaL:
             _pp,
         ]
         self.ec_encode_data.restype = None
+        # (len, k, rows, vec_i, g_tbls, data, coding): coding ^= g_tbls[vec_i] * data
+        self.ec_encode_data_update = lib.ec_encode_data_update
+        self.ec_encode_data_update.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            _pp,
+        ]
+        self.ec_encode_data_update.restype = None
         self.gf_mul = lib.gf_mul
         self.gf_mul.argtypes = [ctypes.c_ubyte, ctypes.c_ubyte]
         self.gf_mul.restype = ctypes.c_ubyte

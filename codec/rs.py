@@ -192,6 +192,25 @@ class RSCodec:
             return
         self._run(self._encode_tables, src, dst, length)
 
+    def update(self, index: int, delta: Buffer, parity: Sequence[Buffer]) -> None:
+        """Bring ``parity`` up to date after data chunk ``index`` changed by ``delta`` (its old
+        bytes XOR its new ones), with ISA-L's ``ec_encode_data_update``: one pass over the
+        changed chunk instead of a new encode of all k. Linear, so updates of several chunks
+        apply in any order."""
+        if not 0 <= index < self.k:
+            raise InvalidParamsError(f"data chunk index outside 0..{self.k - 1}: {index}")
+        (src,), length = _pointers([delta], False, "delta")
+        dst, plength = _pointers(parity, True, "parity")
+        if len(parity) != self.m or plength != length:
+            raise ChunkSizeMismatchError(
+                f"expected {self.m} parity chunks of {length} bytes, got {len(parity)} of {plength}"
+            )
+        if length:
+            dst_p = (ctypes.c_void_p * len(dst))(*dst)
+            self._lib.ec_encode_data_update(
+                length, self.k, self.m, index, self._encode_tables.ctypes.data, src, dst_p
+            )
+
     def decode(
         self, available: Mapping[int, Buffer], wanted: Iterable[int] | None = None
     ) -> dict[int, U8Array]:

@@ -33,7 +33,7 @@ from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
 from storage.gpu import to_device
-from storage.table import aligned
+from storage.table import aligned, digest
 from transport import control, shm
 from transport.errors import ProtocolError
 
@@ -383,7 +383,7 @@ class Store:
                 plan = delta.plan(leaves, last, sources)
             if alloc is None:
                 assert plan is not None
-                alloc, table, base = self._alloc_delta(handle, plan, meta, sources)
+                alloc, table, base = self._alloc_delta(handle, plan, meta, sources, last)
             else:
                 base = None
                 metas = [leaf.meta() for leaf in leaves]
@@ -417,7 +417,9 @@ class Store:
             self._request(staged)
             if plan is not None:
                 handle.plan = plan
-                handle.kept = plan.kept(handle.step, last if base is not None else None)
+                handle.kept = plan.kept(
+                    handle.step, last if base is not None else None, digest(table)
+                )
         except BaseException as exc:
             try:
                 self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
@@ -437,7 +439,7 @@ class Store:
         ).start()
 
     def _alloc_delta(
-        self, handle: SaveHandle, plan: Any, meta: dict[str, Any], sources: list[Any]
+        self, handle: SaveHandle, plan: Any, meta: dict[str, Any], sources: list[Any], last: Any
     ) -> tuple[dict[str, Any], bytes, int | None]:
         """Allocate the buffer of a put planned with references; if the daemon could not keep
         its base (gone meanwhile, or a restarted daemon), the whole shard is put instead.
@@ -454,9 +456,8 @@ class Store:
             base = plan.base
             table = _state.pack_table(meta["skeleton"], [leaf.meta() for leaf in plan.leaves], base)
             _, total = _state.table_place(plan.own_bytes, len(table))
-            alloc = self._request(
-                dict(request, nbytes=total, **({"base": base} if base is not None else {}))
-            )
+            refer = {} if base is None else {"base": base, "base_table": last.table_of(base)}
+            alloc = self._request(dict(request, nbytes=total, **refer))
             if base is None or alloc.get("base") == base:
                 return alloc, table, base
             # refused: give the buffer back, lay the shard out whole, and put that

@@ -30,18 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from storage.table import Leaf, aligned
+from storage.table import Leaf, aligned, digest
 
 __all__ = ["Kept", "Plan", "digest", "mark", "plan"]
 
 Key = tuple[str, str, tuple[int, ...], str]  # kind, dtype, shape, digest
-
-
-def digest(data: np.ndarray[Any, Any]) -> str:
-    """XXH3-128 of a flat uint8 view, as 32 hex digits."""
-    return xxhash.xxh3_128_hexdigest(data.data)
 
 
 def mark(leaf: Leaf) -> tuple[int, int] | None:
@@ -66,9 +60,15 @@ class Kept:
     base: int  # the step whose shard holds this put's referenced leaves (``step``: none)
     in_base: dict[Key, int]  # leaves held in the base's shard: key -> offset there
     base_bytes: int  # bytes of the base's own leaves
+    base_table: str  # digest of the base shard's table: the daemon checks it is that shard
     own: dict[Key, int] = field(default_factory=dict)  # leaves this put holds itself (if based)
     own_bytes: int = 0
+    own_table: str = ""  # digest of this put's own table
     marks: list[tuple[int, int] | None] = field(default_factory=list)
+
+    def table_of(self, step: int) -> str:
+        """The table digest of the candidate base ``step`` (this put's base, or itself)."""
+        return self.base_table if step == self.base else self.own_table
 
 
 @dataclass
@@ -83,16 +83,26 @@ class Plan:
     leaves: list[Leaf]
     marks: list[tuple[int, int] | None]
 
-    def kept(self, step: int, last: Kept | None) -> Kept:
-        """What this put holds once protected."""
+    def kept(self, step: int, last: Kept | None, table: str) -> Kept:
+        """What this put holds once protected (``table``: the digest of its table's bytes)."""
         own = {k: leaf.offset for leaf in self.leaves if not leaf.ref and (k := key(leaf))}
         if self.base is None or last is None:
-            return Kept(step, step, own, self.own_bytes, marks=self.marks)
+            return Kept(step, step, own, self.own_bytes, table, marks=self.marks)
         if self.base == last.base:
             in_base, base_bytes = last.in_base, last.base_bytes
         else:
             in_base, base_bytes = last.own, last.own_bytes
-        return Kept(step, self.base, in_base, base_bytes, own, self.own_bytes, self.marks)
+        return Kept(
+            step,
+            self.base,
+            in_base,
+            base_bytes,
+            last.table_of(self.base),
+            own,
+            self.own_bytes,
+            table,
+            self.marks,
+        )
 
 
 def plan(leaves: list[Leaf], last: Kept | None, sources: list[np.ndarray[Any, Any] | None]) -> Plan:

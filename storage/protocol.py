@@ -383,6 +383,7 @@ class HelloRequest(TypedDict):
 
 class _WithBase(TypedDict, total=False):
     base: int
+    base_table: str  # alloc: the digest of the base shard's table, as the trainer wrote it
     dry: bool  # alloc: check the put only (a put with references allocates later)
 
 

@@ -55,6 +55,7 @@ from storage.protocol import (
     parse_request,
 )
 from storage.repair import Repairer
+from storage.table import digest
 from storage.tier import Tier
 from transport.control import Connection
 
@@ -181,7 +182,7 @@ class Service:
             h.pending_conn[(step, rank)] = conn
             h.t_alloc[(step, rank)] = time.monotonic()
         base = msg.get("base")
-        if base is not None and not self._pin(step, rank, base):
+        if base is not None and not self._pin(step, rank, base, msg.get("base_table", "")):
             base = None
         return {
             "buffer": buf.name,
@@ -190,15 +191,20 @@ class Service:
             "base": base,
         }
 
-    def _pin(self, step: int, rank: int, base: int) -> bool:
+    def _pin(self, step: int, rank: int, base: int, table: str) -> bool:
         """Keep ``base`` for a put of ``step`` that refers to it, on every host of the group
-        alike (one round); False if it is gone already (the rank then puts its whole shard)."""
+        alike (one round); False if it is gone already, or is not the shard the trainer put
+        (its table's digest differs: deleted and put again by another process): the rank then
+        puts its whole shard."""
         h = self.host
         key = (step, rank)
         with h.lock:
             held = h.catalog.steps.get(base)
             shard = held.shards.get(rank) if held is not None else None
             if held is None or not held.state.held or shard is None or shard.slot != h.slot:
+                return False
+            off, length = shard.table
+            if digest(h.pool.get(shard.buffer).file.array[off : off + length]) != table:
                 return False
             h.catalog.pin_refused.discard(key)
         h.emit(Pin(step, rank, base))

@@ -14,7 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIGN", "Leaf", "aligned", "pack_table", "table_place", "whole"]
+import xxhash
+
+__all__ = ["ALIGN", "Leaf", "aligned", "digest", "pack_table", "table_place", "whole"]
 
 ALIGN = 64
 
@@ -74,6 +76,11 @@ def pack_table(skeleton: Any, leaves: list[dict[str, Any]], base: int | None = N
     if base is not None:
         body["base"] = base
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def digest(data: Any) -> str:
+    """XXH3-128 of a buffer (a flat uint8 array, bytes), as 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data.data if hasattr(data, "data") else data)
 
 
 def aligned(n: int) -> int:

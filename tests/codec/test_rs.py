@@ -271,3 +271,21 @@ def test_repair_row_and_scale_add_reject_bad_input() -> None:
     assert bytes(out) == bytes(range(8))
     rs.scale_add(0, bytes(range(8)), out, bytes(8))
     assert bytes(out) == bytes(8)
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2), (6, 3)])
+def test_update_with_a_delta_equals_a_new_encode(k: int, m: int) -> None:
+    """ec_encode_data_update: parity updated by the change of some chunks is the parity of
+    the changed stripe, bit for bit."""
+    rng = np.random.default_rng(k * 10 + m)
+    rs = RSCodec(k, m)
+    data = [rng.integers(0, 256, 4096 + 64, dtype=np.uint8) for _ in range(k)]
+    parity = rs.encode(data)
+    for i in range(0, k, 2):  # every other chunk changes, in part
+        new = data[i].copy()
+        new[100:900] = rng.integers(0, 256, 800, dtype=np.uint8)
+        rs.update(i, np.bitwise_xor(data[i], new), parity)
+        data[i] = new
+    assert all(np.array_equal(a, b) for a, b in zip(parity, rs.encode(data), strict=True))
+    with pytest.raises(InvalidParamsError):
+        rs.update(k, data[0], parity)

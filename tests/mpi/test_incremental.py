@@ -197,3 +197,44 @@ class pytest_raises_not_found:
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
         assert kind is storage.StepNotFoundError, kind
         return True
+
+
+def test_a_base_deleted_or_put_again_is_never_misread(shm_root: Path) -> None:
+    """A step that another Store deleted and put again with other bytes is not the base the
+    trainer remembers (its table's digest differs): the next put is whole. A base deleted while a
+    later step refers to it stays for that step (pinned), gone for readers."""
+    c = Cluster(shm_root, hosts=2, k=1, m=1)
+    stores: list[storage.Store] = []
+    try:
+        a, b = c.stores(1) + c.stores(1)
+        stores = [a, b]
+        x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
+        a.put(1, {"w": x}).wait(60)
+        b.delete(1)
+        b.put(1, {"w": torch.randn(1 << 18)}).wait(60)  # same shape, other bytes
+        h = a.put(2, {"w": x, "a": torch.ones(8)})
+        h.wait(60)
+        assert h.plan.base is None  # the daemon refused the stale base: the shard is whole
+        assert torch.equal(a.get(2)["w"], x)
+        h = a.put(3, {"w": x, "a": torch.zeros(8)})
+        h.wait(60)
+        assert h.plan.base == 2 and h.plan.ref_bytes == x.nbytes
+        a.delete(2)  # gone for readers, pinned for step 3
+        assert a.steps() == [3]  # (step 1 went by retention, --keep 2)
+        with pytest_raises_not_found():
+            a.get(2)
+        got = a.get(3)
+        assert torch.equal(got["w"], x) and torch.equal(got["a"], torch.zeros(8))
+        a.delete(3)  # nothing refers to step 2 any more: both go
+        time.sleep(0.3)
+        assert _manifests_of(shm_root, c.job, 2) == {"host0": [], "host1": []}
+    finally:
+        close_all(stores)
+        c.stop()
+
+
+def _manifests_of(root: Path, job: str, hosts: int) -> dict[str, list[str]]:
+    return {
+        f"host{h}": sorted(p.name for p in (root / job / f"host{h}" / "steps").glob("*.json"))
+        for h in range(hosts)
+    }

@@ -28,7 +28,7 @@ def _changed(state: dict[str, Any], change: Callable[[dict[str, Any]], None]) ->
     """The keys of ``state`` the second put copies after ``change``."""
     first = _plan(state, None)
     assert first.base is None and first.ref_bytes == 0
-    kept = first.kept(1, None)
+    kept = first.kept(1, None, "t1")
     change(state)
     second = _plan(state, kept)
     assert second.base in (None, 1)
@@ -56,7 +56,7 @@ def test_in_place_op_is_changed_without_hashing() -> None:
     s = _state_of()
     first = _plan(s, None)
     s["a"].add_(1.0)
-    second = _plan(s, first.kept(1, None))
+    second = _plan(s, first.kept(1, None, "t1"))
     assert not second.leaves[0].ref and second.leaves[1].ref
     # the version counter said so: a was not hashed again
     assert second.hashed_bytes == first.hashed_bytes - s["a"].nbytes
@@ -132,7 +132,7 @@ def _trained(optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
     first = _plan(snapshot(), None)
-    kept = first.kept(1, None)
+    kept = first.kept(1, None, "t1")
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
     state = snapshot()
@@ -159,18 +159,18 @@ def test_a_base_holding_too_little_is_not_used() -> None:
     first = _plan(s, None)
     for k in ("frozen", "a", "b"):
         s[k].add_(1.0)  # most of the bytes changed
-    second = _plan(s, first.kept(1, None))
+    second = _plan(s, first.kept(1, None, "t1"))
     assert second.base is None and not any(leaf.ref for leaf in second.leaves)
 
 
 def test_references_point_into_the_base_that_holds_the_bytes() -> None:
     s = _state_of()
     first = _plan(s, None)
-    k1 = first.kept(1, None)
+    k1 = first.kept(1, None, "t1")
     s["n"][0] = 7.0  # step 2 copies n, refers to step 1 for a, b, c
     second = _plan(s, k1)
     assert second.base == 1
-    k2 = second.kept(2, k1)
+    k2 = second.kept(2, k1, "t2")
     s["n"][0] = 8.0  # step 3 again refers to step 1 (it holds the most), at step 1's offsets
     third = _plan(s, k2)
     assert third.base == 1
