@@ -41,6 +41,9 @@ def _connect(spec: dict[str, Any]) -> Any:
         host=spec["host"],
         root=spec["root"],
         timeout=60,
+        # the same state is put at every step here, standing for one whose every byte changes
+        # (pre-training): whole puts, as such a state costs (bench incremental measures the rest)
+        incremental=False,
     )
 
 

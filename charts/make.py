@@ -307,6 +307,56 @@ def faults_chart() -> Path | None:
     return out
 
 
+def incremental_chart() -> Path | None:
+    """Per tune (LoRA, full fine-tune) and mode: put->protected, bytes sent per step, and memory
+    held with --keep 2 and 8, each against whole snapshots of the same state."""
+    records = [
+        r for r in newest_run("incremental", True) if r.get("kind") == "time" and "tune" in r
+    ]
+    if not records:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    labels = [r["name"] for r in records]
+    colors = [
+        {"incremental": "tab:green", "whole": "tab:blue", "dcp": "tab:gray"}[r["mode"]]
+        for r in records
+    ]
+    ys = list(range(len(records)))
+    med = [r["median_s"] * 1e3 for r in records]
+    err = [
+        [(r["median_s"] - r["p10_s"]) * 1e3 for r in records],
+        [(r["p90_s"] - r["median_s"]) * 1e3 for r in records],
+    ]
+    axes[0].barh(ys, med, xerr=err, capsize=2, color=colors)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("ms per snapshot (median, p10-p90): put->protected; DCP until written")
+    axes[0].set_yticks(ys, labels, fontsize=8)
+    sent = [r.get("sent_bytes_median", 0) / 1e6 for r in records]
+    axes[1].barh(ys, [max(v, 1e-3) for v in sent], color=colors)
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("MB sent per step between daemons (median)")
+    axes[1].set_yticks(ys, [""] * len(ys))
+    held = [r.get("held_bytes_median", 0) / 1e6 for r in records]
+    axes[2].barh(ys, held, color=colors)
+    axes[2].set_xlabel("MB held in memory after the run (data + parity, every host)")
+    axes[2].set_yticks(ys, [""] * len(ys))
+    for ax in axes:
+        ax.grid(axis="x", alpha=0.3)
+    p = records[0]["params"]
+    fig.suptitle(
+        f"snapshots that cost what changed: GPT d={p['size']['d']} x {p['size']['layers']} layers, "
+        f"{p['world']} ranks, RS({p['k']},{p['m']}), a snapshot every step "
+        f"(commit {records[0]['commit']})\ngreen: incremental (default); blue: whole; "
+        "gray: DCP async_save",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    out = HERE / "incremental.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 CHARTS = {
     "codec": codec_chart,
     "control": control_chart,
@@ -314,6 +364,7 @@ CHARTS = {
     "store": store_chart,
     "persist": persist_chart,
     "train": train_chart,
+    "incremental": incremental_chart,
     "faults": faults_chart,
 }
 

@@ -308,7 +308,8 @@ class Store:
         meta: dict[str, Any] = {"skeleton": skeleton, "rank": rank, "world": world_size}
         if last is not None:
             # what changed is known once the leaves are hashed: the buffer is allocated then
-            self._request(dict(request, nbytes=0, dry=True))  # a bad put still raises here
+            # a bad put still raises here, and so does one whose certain bytes exceed the budget
+            self._request(dict(request, nbytes=last.certain(leaves), dry=True))
             handle.cpu_leaves = True
             self._last_put = handle
             self._bg.submit(self._stage, handle, leaves, None, meta, last)

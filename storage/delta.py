@@ -66,6 +66,24 @@ class Kept:
     own_table: str = ""  # digest of this put's own table
     marks: list[tuple[int, int] | None] = field(default_factory=list)
 
+    def certain(self, leaves: list[Leaf]) -> int:
+        """Bytes of ``leaves`` that a put against this one copies whatever their bytes hash to:
+        CUDA ones, those written in place since (their version counter moved) and those of a
+        kind, dtype and shape no held leaf has. Known before hashing: a lower bound."""
+        shapes = {k[:3] for k in self.in_base} | {k[:3] for k in self.own}
+        out = 0
+        for i, leaf in enumerate(leaves):
+            was = self.marks[i] if i < len(self.marks) else None
+            now = mark(leaf)
+            moved = was is not None and now is not None and was[0] == now[0] and was[1] != now[1]
+            if (
+                moved
+                or leaf.device != "cpu"
+                or (leaf.kind, leaf.dtype, tuple(leaf.shape)) not in shapes
+            ):
+                out += leaf.nbytes
+        return out
+
     def table_of(self, step: int) -> str:
         """The table digest of the candidate base ``step`` (this put's base, or itself)."""
         return self.base_table if step == self.base else self.own_table

@@ -127,11 +127,7 @@ class Pool:
                     if self._fits(need + reserve):
                         break
             if not self._fits(need + reserve):
-                raise CapacityError(
-                    f"{size + reserve} more bytes would exceed this host's --memory-budget of "
-                    f"{self.budget} ({self.used} in use); raise the budget, lower --keep, or "
-                    "delete old steps. Nothing stored was touched."
-                )
+                raise self._over(size + reserve)
             name = self._name(prefix)
         try:
             f = shm.create(self.path(name), need, exclusive=True)
@@ -356,6 +352,23 @@ class Pool:
             if not name.startswith("p"):
                 self.adopted.add(name)
         return buf
+
+    def _over(self, more: int) -> CapacityError:
+        return CapacityError(
+            f"{more} more bytes would exceed this host's --memory-budget of {self.budget} "
+            f"({self.used} in use); raise the budget, lower --keep, or delete old steps. "
+            "Nothing stored was touched."
+        )
+
+    def check(self, size: int, reserve: int = 0) -> None:
+        """Raise the :class:`CapacityError` a take of ``size`` bytes (and ``reserve``) would
+        raise for the budget, taking nothing (free files count as room: a take drops them)."""
+        with self.lock:
+            if self.budget is None:
+                return
+            free = sum(self.files[name].size for name in self.free)
+            if self.used - free + max(size, 1) + reserve > self.budget:
+                raise self._over(size + reserve)
 
     def fits(self, extra: int) -> bool:
         """Whether ``extra`` more bytes fit the budget now."""

@@ -167,7 +167,9 @@ class Service:
                     f"step {step} is being put with world_size {rec.world_size}, not {world}"
                 )
             if msg.get("dry"):
-                return {}  # checked only: the put allocates once it knows what changed
+                # checked only: the put allocates once it knows what changed, at least nbytes
+                h.pool.check(nbytes, -(-nbytes * h.m // h.group.k))
+                return {}
             h.pending[(step, rank)] = ""
         try:
             reserve = -(-nbytes * h.m // h.group.k)

@@ -162,3 +162,39 @@ def test_rank_sums_accept_one_of_each(world: int) -> None:
     cat.assign(1)
     cat.count(staged(cat, 1, list(range(world)), world))
     assert cat.steps[1].state == StepState.READY
+
+
+def test_a_referenced_step_is_pinned_then_freed() -> None:
+    """Retention and deletes pin a step the group's records (or announced puts) refer to; it is
+    freed once nothing does, and a step a pinned step refers to stays with it."""
+    cat = catalog(keep=1)
+    protect(cat, 1)
+    protect(cat, 2)
+    assert 1 not in cat.steps  # nothing refers to it: freed by retention
+    cat.pin(3, 0, 2)  # rank 0 announces a put of step 3 that refers to step 2
+    cat.pin(3, 1, 1)  # step 1 is gone: refused
+    assert cat.pins == {(3, 0): 2} and cat.pin_refused == {(3, 1)}
+    assert cat.assign(3) is not None
+    lane = cat.lane_of(3)
+    assert lane is not None
+    b = Ballot()
+    for r in (0, 1):
+        cat.staged(3, ShardRecord(r, r, 10, f"c{r}", (0, 0), base=2 if r == 0 else -1))
+        b.add(lane, Ballot.STAGED, 1)
+        b.add(lane, Ballot.RANK_SUM, r)
+        b.add(lane, Ballot.RANK_SQ, r * r)
+        b.raise_to(lane, Ballot.WORLD, 2)
+        b.raise_to(lane, Ballot.WORLD_NEG, -2)
+    cat.count(b)
+    assert cat.pins == {}  # the record took the pin's place
+    cat.count(counts(cat, 3, Ballot.PREPARED, 2))
+    cat.count(counts(cat, 3, Ballot.STORED, 2))
+    # --keep 1: step 2 leaves the readers' view, but step 3 refers to it
+    assert cat.protected() == [3] and cat.steps[2].state == StepState.PINNED
+    assert cat.release_pins() == []
+    cat.delete(2)  # a delete of a pinned step changes nothing
+    assert cat.steps[2].state == StepState.PINNED
+    # a delete of the referring step frees both (in the round's settling)
+    cat.delete(3)
+    assert 3 not in cat.steps
+    assert cat.release_pins() == [2] and cat.steps == {}
