@@ -9,7 +9,7 @@ state it owns (FSDP-style: every 4th parameter and its optimizer state), a snaps
   adapters only (about 98 % of the bytes never change);
 - ``full``: the same model fully fine-tuned with AdamW (every byte changes every step).
 
-For each, in the same run and storage job: ``incremental`` (unchanged tensors stored as
+For each, in the same run (each in a storage job of its own): ``incremental`` (unchanged tensors stored as
 references, the default), ``whole`` (``incremental=False``: every byte copied, encoded and sent
 as before), and ``dcp`` (``torch.distributed.checkpoint.async_save`` to /dev/shm, until
 written). Measured per step: put→protected (DCP: until written), bytes copied, hashed, encoded
@@ -253,38 +253,46 @@ def run(quick: bool = False) -> None:
         {"quick": quick, "world": WORLD, "hosts": 4, "k": 3, "m": 1, "size": size, "rank": RANK},
     )
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    step0 = 0
     try:
         for keep in keeps:
-            job = f"incr{keep}"
-            daemons = Cluster(
-                root, hosts=4, k=3, m=1, job=job, extra=["--keep", str(keep)], log=root / "d.log"
-            )
-            try:
-                for tune in ("lora", "full"):
-                    modes = ["incremental", "whole"] + (["dcp"] if keep == keeps[0] else [])
-                    for mode in modes:
-                        dcp_dir = root / f"dcp-{tune}"
-                        cfg = {
-                            "job": job,
-                            "root": str(root),
-                            "steps": keep + WARMUP + 3,
-                            "step0": step0,
-                            "size": size,
-                            "tune": tune,
-                            "mode": mode,
-                            "dcp_dir": str(dcp_dir),
-                        }
-                        step0 += 1000
-                        t0 = time.monotonic()
-                        results[(tune, mode, keep)] = _run(cfg)
-                        shutil.rmtree(dcp_dir, ignore_errors=True)
-                        print(
-                            f"keep {keep} {tune}/{mode}: {time.monotonic() - t0:.0f} s",
-                            file=sys.stderr,
+            for tune in ("lora", "full"):
+                for mode in ["incremental", "whole"] + (["dcp"] if keep == keeps[0] else []):
+                    # a storage job of its own: what the last mode held (and the files made
+                    # ahead for its sizes) is not in this one's memory
+                    job = f"{tune}-{mode}-{keep}"
+                    daemons = None
+                    if mode != "dcp":
+                        extra = ["--keep", str(keep)]
+                        daemons = Cluster(
+                            root, hosts=4, k=3, m=1, job=job, extra=extra, log=root / "d.log"
                         )
-            finally:
-                daemons.stop(60)
+                    dcp_dir = root / f"dcp-{tune}"
+                    cfg = {
+                        "job": job,
+                        "root": str(root),
+                        "steps": keep + WARMUP + 3,
+                        "step0": 0,
+                        "size": size,
+                        "tune": tune,
+                        "mode": mode,
+                        "dcp_dir": str(dcp_dir),
+                    }
+                    t0 = time.monotonic()
+                    try:
+                        results[(tune, mode, keep)] = _run(cfg)
+                    finally:
+                        if daemons is not None:
+                            daemons.stop(60)
+                        shutil.rmtree(root / job, ignore_errors=True)
+                        shutil.rmtree(dcp_dir, ignore_errors=True)
+                    print(
+                        f"keep {keep} {tune}/{mode}: {time.monotonic() - t0:.0f} s", file=sys.stderr
+                    )
+    except BaseException:
+        log = root / "d.log"
+        if log.exists():  # the daemons' side of what went wrong, before it is removed
+            print("".join(log.read_text().splitlines(True)[-40:]), file=sys.stderr)
+        raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows: list[tuple[Any, ...]] = []

@@ -76,8 +76,14 @@ class Rounds:
         """Rounds until a daemon is asked to stop (then every daemon returns 0 together)."""
         h = self.host
         idle = 0.0005
+        hot = False  # the last round moved something somewhere in the job
         while True:
             ballot, group_out, rare_out, busy = self._collect()
+            # A round right after one that moved anything polls instead of napping: the next
+            # steps of a put (its records gathered, prepare, encode, protect) follow round after
+            # round, and a napping wait costs each of them milliseconds (measured: a put of a
+            # few kB took 50 ms, 20 of them in the one napping round that gathered its records).
+            busy = busy or hot
             timeout = h.config.peer_timeout
             sum_reqs, sums = h.links.start_allreduce(ballot.sums, "sum")
             max_reqs, maxima = h.links.start_allreduce(ballot.maxima, "max")
@@ -94,6 +100,7 @@ class Rounds:
             self.advance()
             if job.job_max(Ballot.STOP):
                 return 0
+            hot = bool(job.job_sum(Ballot.BUSY) or group_in or rare_in)
             if job.job_sum(Ballot.BUSY) or self.has_work():
                 idle = 0.0005
             else:
