@@ -331,13 +331,14 @@ def incremental_chart() -> Path | None:
     axes[0].set_xscale("log")
     axes[0].set_xlabel("ms per snapshot (median, p10-p90): put->protected; DCP until written")
     axes[0].set_yticks(ys, labels, fontsize=8)
-    sent = [r.get("sent_bytes_median", 0) / 1e6 for r in records]
-    axes[1].barh(ys, [max(v, 1e-3) for v in sent], color=colors)
+    ours = [i for i, r in enumerate(records) if r["mode"] != "dcp"]  # DCP: no daemons
+    sent = [records[i]["sent_bytes_median"] / 1e6 for i in ours]
+    axes[1].barh(ours, sent, color=[colors[i] for i in ours])
     axes[1].set_xscale("log")
     axes[1].set_xlabel("MB sent per step between daemons (median)")
     axes[1].set_yticks(ys, [""] * len(ys))
-    held = [r.get("held_bytes_median", 0) / 1e6 for r in records]
-    axes[2].barh(ys, held, color=colors)
+    held = [records[i]["held_bytes_median"] / 1e6 for i in ours]
+    axes[2].barh(ours, held, color=[colors[i] for i in ours])
     axes[2].set_xlabel("MB held in memory after the run (data + parity, every host)")
     axes[2].set_yticks(ys, [""] * len(ys))
     for ax in axes:
