@@ -9,14 +9,14 @@ state it owns (FSDP-style: every 4th parameter and its optimizer state), a snaps
   adapters only (about 98 % of the bytes never change);
 - ``full``: the same model fully fine-tuned with AdamW (every byte changes every step).
 
-For each, in the same run (each in a storage job of its own): ``incremental`` (unchanged tensors stored as
-references, the default), ``whole`` (``incremental=False``: every byte copied, encoded and sent
-as before), and ``dcp`` (``torch.distributed.checkpoint.async_save`` to /dev/shm, until
-written). Measured per step: put→protected (DCP: until written), bytes copied, hashed, encoded
-and sent; at the end of a mode, memory held (data + parity on every host), against one whole
-step's. Twice: with ``--keep 2`` and ``--keep 8``. The first steps of each mode are warm-up.
-Also, for one stripe whose data changed in one chunk: parity by ``ec_encode_data_update`` of
-the change against a new encode, and the bytes each moves.
+For each, in the same run (each mode in a storage job of its own): ``incremental`` (unchanged
+tensors stored as references, the default), ``whole`` (``incremental=False``: every byte
+copied, encoded and sent as before), and ``dcp`` (``torch.distributed.checkpoint.async_save``
+to /dev/shm, until written). Measured per step: put→protected (DCP: until written), bytes
+copied, hashed, encoded and sent; at the end of a mode, memory held (data + parity on every
+host), against one whole step's. Twice: with ``--keep 2`` and ``--keep 8``. The first steps of
+each mode are warm-up. Also, for one stripe whose data changed in one chunk: parity by
+``ec_encode_data_update`` of the change against a new encode, and the bytes each moves.
 
 Targets: 98 % frozen: put→protected >= 10x faster than whole, memory with --keep 8 <= 1.3x one
 whole step, bytes sent per step <= 5 % of whole's; nothing frozen: incremental <= 1.05x whole.
