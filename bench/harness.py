@@ -18,6 +18,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,6 +182,44 @@ class Cluster:
 
     def kill(self) -> None:
         kill_group(self.proc)
+
+
+def gloo_ranks(
+    module: str, spec: dict[str, Any], world: int, what: str, timeout: float = 1800.0
+) -> list[dict[str, Any]]:
+    """Run ``python -m module --worker SPEC`` as ``world`` training ranks (RANK, WORLD_SIZE and
+    a free MASTER_PORT for torch.distributed; rank r talks to the daemon of ``host<r>``); return
+    each rank's last line of stdout as JSON, in rank order. Raises RuntimeError naming ``what``
+    if a rank fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "ECSNAP_HOST": f"host{rank}",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, "--worker", json.dumps(spec)],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

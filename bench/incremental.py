@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -40,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Recorder, exit_on_sigterm, interleaved, summarize, table
+from bench.harness import gloo_ranks
 
 WORLD = 4
 REPO = Path(__file__).resolve().parent.parent
@@ -172,40 +171,8 @@ def worker(cfg: dict[str, Any]) -> None:
     print(json.dumps(out), flush=True)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    port = _port()
-    procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "ECSNAP_HOST": f"host{rank}",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.incremental", "--worker", json.dumps(cfg)],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=3600)
-        if p.returncode != 0:
-            raise RuntimeError(f"a rank failed ({p.returncode}) in {cfg['tune']}/{cfg['mode']}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return gloo_ranks("bench.incremental", cfg, WORLD, f"{cfg['tune']}/{cfg['mode']}", 3600)
 
 
 def _update_vs_encode(rec: Recorder, repeats: int) -> list[tuple[Any, ...]]:

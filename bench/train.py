@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Recorder, exit_on_sigterm, table
+from bench.harness import gloo_ranks
 
 WORLD = 4
 REPO = Path(__file__).resolve().parent.parent
@@ -114,41 +113,8 @@ def worker(cfg: dict[str, Any]) -> None:
     print(json.dumps({"times": times, "model_bytes": nbytes}), flush=True)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(mode: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    port = _port()
-    procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "ECSNAP_HOST": f"host{rank}",
-        }
-        spec = json.dumps({**cfg, "mode": mode})
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.train", "--worker", spec],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"training rank failed ({p.returncode}) in mode {mode}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+    return gloo_ranks("bench.train", {**cfg, "mode": mode}, WORLD, f"mode {mode}")
 
 
 def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
