@@ -413,7 +413,7 @@ class Store:
                 "table": [at, len(table)],
             }
             if base is not None:
-                staged["base"] = base
+                staged.update(base=base, refs=plan.ref_bytes if plan is not None else 0)
             meta["buffer"] = alloc["buffer"]
             self._request(staged)
             if plan is not None:

@@ -49,7 +49,11 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             gathered_bytes=gathered,
             rounds=h.rounds,
             metadata_bytes=sum(h.manifest_bytes.values()) + tables,
-            stats={**h.stats, **h.pool.counters()},
+            stats={
+                **h.stats,
+                **h.pool.counters(),
+                "pinned_steps": sum(r.state == StepState.PINNED for r in h.catalog.steps.values()),
+            },
             protected=h.catalog.protected(),
             in_flight=sorted(s for s, r in h.catalog.steps.items() if r.state.in_flight),
             lost={str(s): r.lost for s, r in h.catalog.steps.items() if r.state == StepState.LOST},

@@ -98,6 +98,8 @@ STATS = (
     "reserve_bytes",  # pre-faulted at start for --reserve (set once that is done)
     "warm_files",  # files made ahead of need for the next puts (storage.warm)
     "warm_bytes",
+    "staged_bytes",  # bytes of the shards trainers staged here (copied into shared memory)
+    "referenced_bytes",  # bytes of their tensors stored as references to a base step instead
 )
 
 

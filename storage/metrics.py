@@ -108,6 +108,20 @@ class SnapshotCollector(Collector):
             "Reserve files (--reserve) not yet turned into the files puts need",
             stats["reserve_free_bytes"],
         )
+        put = CounterMetricFamily(
+            "ecsnap_put_bytes",
+            "Bytes of the shards trainers put here: copied into shared memory, or stored as "
+            "references to bytes a held step already has (tensors unchanged since the last put)",
+            labels=[*names, "how"],
+        )
+        put.add_metric([*labels, "copied"], stats["staged_bytes"])
+        put.add_metric([*labels, "referenced"], stats["referenced_bytes"])
+        yield put
+        yield gauge(
+            "ecsnap_pinned_steps",
+            "Steps gone for readers that this host's group keeps: later steps refer to them",
+            stats["pinned_steps"],
+        )
         yield counter(
             "ecsnap_encode_bytes", "Data bytes encoded into parity", stats["encode_bytes"]
         )

@@ -385,6 +385,7 @@ class _WithBase(TypedDict, total=False):
     base: int
     base_table: str  # alloc: the digest of the base shard's table, as the trainer wrote it
     dry: bool  # alloc: check the put only (a put with references allocates later)
+    refs: int  # staged: bytes of the shard's tensors stored as references to its base
 
 
 class AllocRequest(_WithBase):

@@ -246,6 +246,8 @@ class Service:
                 )
             shard = ShardRecord(rank, h.slot, nbytes, name, (table[0], table[1]), base)
             h.events.append(Staged(step, world, shard))
+            h.stats["staged_bytes"] += nbytes
+            h.stats["referenced_bytes"] += msg.get("refs", 0)
         h.wake.set()
         return {}
 

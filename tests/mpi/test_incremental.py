@@ -124,6 +124,10 @@ def test_incremental_puts_share_pin_rebuild_and_persist(shm_root: Path, tmp_path
         # steps 2-4 encoded and sent a small fraction of step 1's bytes
         assert max(encoded[1:]) < 0.05 * encoded[0], encoded
         assert max(sent[1:]) < 0.05 * sent[0], sent
+        # the daemons count what was copied and what was referred to
+        infos = [s.info()["stats"] for s in stores]
+        assert sum(i["referenced_bytes"] for i in infos) == 3 * WORLD * FROZEN * 4
+        assert all(i["pinned_steps"] == 1 for i in infos)
         # --keep 2: steps 3 and 4 for readers; step 1 kept (pinned) for them, step 2 gone
         assert stores[0].steps() == [3, 4]
         assert all(

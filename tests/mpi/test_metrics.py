@@ -95,6 +95,9 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
             assert m[("ecsnap_shm_faulted_bytes_total", (("when", "in_put"),))] > 0
             assert m[("ecsnap_shm_bytes", ())] <= faulted
             assert m[("ecsnap_reserve_free_bytes", ())] == 0  # no --reserve
+            assert m[("ecsnap_put_bytes_total", (("how", "copied"),))] > 0
+            assert ("ecsnap_put_bytes_total", (("how", "referenced"),)) in m
+            assert m[("ecsnap_pinned_steps", ())] == 0
         # about m/k = 1/3 of the data, rounded up to whole chunks on a tiny state
         assert held["data"] > 0 and 0 < held["parity"] < held["data"]
         assert held["encoded"] > 0 and held["sent"] > 0
