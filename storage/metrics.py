@@ -67,6 +67,19 @@ class SnapshotCollector(Collector):
             c.add_metric(labels, value)
             return c
 
+        def by(
+            kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+            name: str,
+            doc: str,
+            label: str,
+            values: dict[str, float],
+        ) -> Metric:
+            """One family with a label more, a sample per value of it (in the order given)."""
+            f = kind(name, doc, labels=[*names, label])
+            for key, value in values.items():
+                f.add_metric([*labels, key], value)
+            return f
+
         stats = snap.stats
         yield gauge(
             "ecsnap_latest_protected_step",
@@ -79,12 +92,13 @@ class SnapshotCollector(Collector):
             "Steps this daemon saw become protected",
             stats["steps_protected"],
         )
-        stored = GaugeMetricFamily(
-            "ecsnap_stored_bytes", "Bytes of protected steps held here", labels=[*names, "kind"]
+        yield by(
+            GaugeMetricFamily,
+            "ecsnap_stored_bytes",
+            "Bytes of protected steps held here",
+            "kind",
+            {"data": snap.data_bytes, "parity": snap.parity_bytes},
         )
-        stored.add_metric([*labels, "data"], snap.data_bytes)
-        stored.add_metric([*labels, "parity"], snap.parity_bytes)
-        yield stored
         yield gauge(
             "ecsnap_shm_bytes", "Shared memory this daemon holds, in use or free", snap.pool_bytes
         )
@@ -94,29 +108,27 @@ class SnapshotCollector(Collector):
             "system under --root) holds",
             snap.memory_limit,
         )
-        faulted = CounterMetricFamily(
+        yield by(
+            CounterMetricFamily,
             "ecsnap_shm_faulted_bytes",
             "Shared memory faulted in (fresh pages): inside a put's take, or ahead of need "
             "(the next puts' files and --reserve, made in idle time)",
-            labels=[*names, "when"],
+            "when",
+            {"in_put": stats["pool_fresh_bytes"], "ahead": stats["pool_ahead_bytes"]},
         )
-        faulted.add_metric([*labels, "in_put"], stats["pool_fresh_bytes"])
-        faulted.add_metric([*labels, "ahead"], stats["pool_ahead_bytes"])
-        yield faulted
         yield gauge(
             "ecsnap_reserve_free_bytes",
             "Reserve files (--reserve) not yet turned into the files puts need",
             stats["reserve_free_bytes"],
         )
-        put = CounterMetricFamily(
+        yield by(
+            CounterMetricFamily,
             "ecsnap_put_bytes",
             "Bytes of the shards trainers put here: copied into shared memory, or stored as "
             "references to bytes a held step already has (tensors unchanged since the last put)",
-            labels=[*names, "how"],
+            "how",
+            {"copied": stats["staged_bytes"], "referenced": stats["referenced_bytes"]},
         )
-        put.add_metric([*labels, "copied"], stats["staged_bytes"])
-        put.add_metric([*labels, "referenced"], stats["referenced_bytes"])
-        yield put
         yield gauge(
             "ecsnap_pinned_steps",
             "Steps gone for readers that this host's group keeps: later steps refer to them",
@@ -159,24 +171,27 @@ class SnapshotCollector(Collector):
         yield gauge(
             "ecsnap_lost_steps", "Steps that lost more than m chunks of a stripe", len(snap.lost)
         )
-        errors = CounterMetricFamily(
-            "ecsnap_errors", "Requests refused, by error", labels=[*names, "kind"]
+        yield by(
+            CounterMetricFamily,
+            "ecsnap_errors",
+            "Requests refused, by error",
+            "kind",
+            dict(sorted(snap.errors.items())),
         )
-        for kind, n in sorted(snap.errors.items()):
-            errors.add_metric([*labels, kind], n)
-        yield errors
-        hosts = GaugeMetricFamily(
-            "ecsnap_hosts", "Hosts of the job, by state", labels=[*names, "state"]
+        yield by(
+            GaugeMetricFamily,
+            "ecsnap_hosts",
+            "Hosts of the job, by state",
+            "state",
+            {"up": snap.hosts_up, "missing": snap.hosts_missing},
         )
-        hosts.add_metric([*labels, "up"], snap.hosts_up)
-        hosts.add_metric([*labels, "missing"], snap.hosts_missing)
-        yield hosts
-        health = GaugeMetricFamily(
-            "ecsnap_health", "1 for the daemon's current health", labels=[*names, "state"]
+        yield by(
+            GaugeMetricFamily,
+            "ecsnap_health",
+            "1 for the daemon's current health",
+            "state",
+            {s: 1.0 if snap.health == s else 0.0 for s in ("starting", "rebuilding", "healthy")},
         )
-        for state in ("starting", "rebuilding", "healthy"):
-            health.add_metric([*labels, state], 1.0 if snap.health == state else 0.0)
-        yield health
 
 
 class Endpoint:
