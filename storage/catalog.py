@@ -114,6 +114,10 @@ class Catalog:
     def unpin(self, step: int, rank: int) -> None:
         self.pins.pop((step, rank), None)
 
+    def _drop_pins(self, step: int) -> None:
+        """The puts of ``step`` that announced a base will not stage (deleted, failed)."""
+        self.pins = {k: b for k, b in self.pins.items() if k[0] != step}
+
     def referenced(self) -> set[int]:
         """Steps some step of the group (or an announced put) refers to."""
         out = set(self.pins.values())
@@ -310,7 +314,7 @@ class Catalog:
             self._retire(step)
         else:
             del self.steps[step]
-        self.pins = {k: b for k, b in self.pins.items() if k[0] != step}
+        self._drop_pins(step)
 
     def lose(self, step: int, lost_hosts: list[str], ranks: list[int]) -> StepRec | None:
         """Another group found ``step`` beyond repair (this group may hold its part still)."""
@@ -342,7 +346,7 @@ class Catalog:
         rec = self.steps.get(step)
         if rec is not None and rec.state == StepState.FAILED:
             del self.steps[step]
-            self.pins = {k: b for k, b in self.pins.items() if k[0] != step}
+            self._drop_pins(step)
             self.failed[step] = rec.error or to_wire(StorageError(f"step {step} failed"))
 
     # -- layout ------------------------------------------------------------------------------------

@@ -166,13 +166,13 @@ class Service:
                 raise StorageError(
                     f"step {step} is being put with world_size {rec.world_size}, not {world}"
                 )
+            reserve = -(-nbytes * h.m // h.group.k)  # its parity, soon after
             if msg.get("dry"):
                 # checked only: the put allocates once it knows what changed, at least nbytes
-                h.pool.check(nbytes, -(-nbytes * h.m // h.group.k))
+                h.pool.check(nbytes, reserve)
                 return {}
             h.pending[(step, rank)] = ""
         try:
-            reserve = -(-nbytes * h.m // h.group.k)
             buf = h.pool.take(nbytes, f"r{rank}-", reserve=reserve)
         except StorageError:
             with h.lock:
