@@ -384,7 +384,7 @@ class Store:
                 plan = delta.plan(leaves, last, sources)
             if alloc is None:
                 assert plan is not None
-                alloc, table, base = self._alloc_delta(handle, plan, meta, sources, last)
+                alloc, table, base = self._alloc_delta(handle, plan, meta, last)
             else:
                 base = None
                 metas = [leaf.meta() for leaf in leaves]
@@ -440,13 +440,11 @@ class Store:
         ).start()
 
     def _alloc_delta(
-        self, handle: SaveHandle, plan: Any, meta: dict[str, Any], sources: list[Any], last: Any
+        self, handle: SaveHandle, plan: Any, meta: dict[str, Any], last: Any
     ) -> tuple[dict[str, Any], bytes, int | None]:
         """Allocate the buffer of a put planned with references; if the daemon could not keep
         its base (gone meanwhile, or a restarted daemon), the whole shard is put instead.
         Returns (the alloc reply, the table, the base kept)."""
-        from storage import delta
-
         request: dict[str, Any] = {
             "op": "alloc",
             "step": handle.step,
@@ -463,8 +461,7 @@ class Store:
                 return alloc, table, base
             # refused: give the buffer back, lay the shard out whole, and put that
             self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
-            replanned = delta.plan(plan.leaves, None, sources)
-            plan.base, plan.own_bytes, plan.ref_bytes = None, replanned.own_bytes, 0
+            plan.whole()
         raise AssertionError("unreachable")
 
     def _await_protection(self, handle: SaveHandle) -> None:
@@ -527,13 +524,20 @@ class Store:
             return self._getto_device(reply, device, rank)
         mm = self._map_reply(reply)
         table = _table(mm, reply)
-        base = None
-        if table.get("base") is not None:  # its unchanged tensors lie in an earlier step
-            based = self._request(
-                {"op": "get", "step": int(table["base"]), "rank": rank, "base_of": reply["step"]}
-            )
-            base = self._map_reply(based)
+        based = self._base_reply(table, rank, reply)
+        base = self._map_reply(based) if based is not None else None
         return _state.unflatten_views(table["skeleton"], table["leaves"], mm, base)
+
+    def _base_reply(
+        self, table: dict[str, Any], rank: int, reply: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The get reply for the base step the shard's table names (where its unchanged
+        tensors lie), or None for a whole shard."""
+        if table.get("base") is None:
+            return None
+        return self._request(
+            {"op": "get", "step": int(table["base"]), "rank": rank, "base_of": reply["step"]}
+        )
 
     def _map_reply(self, reply: dict[str, Any]) -> Any:
         """A private mapping of the shard a get reply names (its lease ends with the mapping)."""
@@ -566,10 +570,8 @@ class Store:
 
         mapped = [self._pinned(reply)]
         table = _table(mapped[0][1].array, reply)
-        if table.get("base") is not None:  # its unchanged tensors lie in an earlier step
-            based = self._request(
-                {"op": "get", "step": int(table["base"]), "rank": rank, "base_of": reply["step"]}
-            )
+        based = self._base_reply(table, rank, reply)
+        if based is not None:
             mapped.append(self._pinned(based))
         arrays = [mf.array for _, mf in mapped]
         host = _state.unflatten_views(

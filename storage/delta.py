@@ -73,16 +73,19 @@ class Kept:
         shapes = {k[:3] for k in self.in_base} | {k[:3] for k in self.own}
         out = 0
         for i, leaf in enumerate(leaves):
-            was = self.marks[i] if i < len(self.marks) else None
-            now = mark(leaf)
-            moved = was is not None and now is not None and was[0] == now[0] and was[1] != now[1]
             if (
-                moved
+                self.written(i, mark(leaf))
                 or leaf.device != "cpu"
                 or (leaf.kind, leaf.dtype, tuple(leaf.shape)) not in shapes
             ):
                 out += leaf.nbytes
         return out
+
+    def written(self, i: int, now: tuple[int, int] | None) -> bool:
+        """Leaf ``i``, marked ``now``, was written in place since this put: the same storage,
+        its version counter moved."""
+        was = self.marks[i] if i < len(self.marks) else None
+        return was is not None and now is not None and was[0] == now[0] and was[1] != now[1]
 
     def table_of(self, step: int) -> str:
         """The table digest of the candidate base ``step`` (this put's base, or itself)."""
@@ -100,6 +103,12 @@ class Plan:
     hashed_bytes: int
     leaves: list[Leaf]
     marks: list[tuple[int, int] | None]
+
+    def whole(self) -> None:
+        """Store every leaf (the base was refused): no references, the digests already made
+        kept for the next put."""
+        self.base, self.ref_bytes = None, 0
+        self.own_bytes, _ = _lay_out(self.leaves, {})
 
     def kept(self, step: int, last: Kept | None, table: str) -> Kept:
         """What this put holds once protected (``table``: the digest of its table's bytes)."""
@@ -133,9 +142,7 @@ def plan(leaves: list[Leaf], last: Kept | None, sources: list[np.ndarray[Any, An
         src = sources[i]
         if src is None or not leaf.nbytes:
             continue
-        was = last.marks[i] if last is not None and i < len(last.marks) else None
-        now = marks[i]
-        if was is not None and now is not None and was[0] == now[0] and was[1] != now[1]:
+        if last is not None and last.written(i, marks[i]):
             continue  # written in place since the last put: changed, no need to hash
         leaf.digest = digest(src)
         hashed += leaf.nbytes
@@ -147,16 +154,23 @@ def plan(leaves: list[Leaf], last: Kept | None, sources: list[np.ndarray[Any, An
             candidates.append((last.step, last.own, last.own_bytes))
         best = 0
         for step, held, total in candidates:
-            found = sum(leaf.nbytes for leaf in leaves if (k := key(leaf)) in held)
+            found = sum(leaf.nbytes for leaf in leaves if key(leaf) in held)
             if found > best and 2 * found >= total:
                 best, base, refs = found, step, held
+    own, ref_bytes = _lay_out(leaves, refs)  # (refs stays empty without a base)
+    return Plan(base, own, ref_bytes, hashed, leaves, marks)
+
+
+def _lay_out(leaves: list[Leaf], refs: dict[Key, int]) -> tuple[int, int]:
+    """Mark the leaves found in ``refs`` as references (at their offset in the base), lay the
+    others out densely; returns (their bytes, the referenced bytes)."""
     offset = ref_bytes = 0
     for leaf in leaves:
         k = key(leaf)
-        if base is not None and leaf.nbytes and k is not None and k in refs:
+        if leaf.nbytes and k is not None and k in refs:
             leaf.ref, leaf.offset = True, refs[k]
             ref_bytes += leaf.nbytes
         else:
             leaf.ref, leaf.offset = False, offset
             offset = aligned(offset + leaf.nbytes)
-    return Plan(base, offset, ref_bytes, hashed, leaves, marks)
+    return offset, ref_bytes
