@@ -378,10 +378,12 @@ class Store:
         try:
             sources = [_state.source_bytes(leaf) for leaf in leaves]
             plan = None
+            t_hash = time.thread_time()
             if self.incremental:
                 from storage import delta  # xxhash and the planner: only where they are used
 
                 plan = delta.plan(leaves, last, sources)
+            cpu_hash = time.thread_time() - t_hash
             if alloc is None:
                 assert plan is not None
                 alloc, table, base = self._alloc_delta(handle, plan, meta, last)
@@ -393,14 +395,16 @@ class Store:
             at = aligned(plan.own_bytes if plan is not None else meta["at"])
             nbytes = at + len(table)
             mf = self._map(alloc["path"], int(alloc["size"]))
-            _state.stage(
+            cpu_stage = _state.stage(
                 leaves,
                 mf.array[:at],
                 self._copy_pool,
                 skip_cuda=bool(handle.copy_done),
                 sources=sources,
             )
+            t_table = time.thread_time()
             mf.array[at : at + len(table)] = np.frombuffer(table, dtype=np.uint8)
+            cpu_stage += time.thread_time() - t_table
             for event in handle.copy_done:
                 event.synchronize()  # this background thread waits, never the training stream
             staged: dict[str, Any] = {
@@ -411,6 +415,8 @@ class Store:
                 "buffer": alloc["buffer"],
                 "nbytes": nbytes,
                 "table": [at, len(table)],
+                "cpu_stage": cpu_stage,  # for ecsnap_cpu_seconds{phase}
+                "cpu_hash": cpu_hash,
             }
             if base is not None:
                 staged.update(base=base, refs=plan.ref_bytes if plan is not None else 0)

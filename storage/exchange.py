@@ -18,6 +18,7 @@ import numpy as np
 
 from codec import checksum
 from storage.catalog import StepRec
+from storage.cpu import charged
 from storage.errors import CapacityError
 from storage.host import Host, Local
 from storage.protocol import Prepared, Stored
@@ -74,10 +75,15 @@ class Exchange:
             h.log(f"step {rec.step}: no memory for this host's parity: {exc}")
         if ok:
             views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
-            loc.crc_job = self._crc_pool.submit(lambda: [checksum(v) for v in views])
+            loc.crc_job = self._crc_pool.submit(self._checksums, views)
         loc.t["prepared"] = time.monotonic()
         h.emit(Prepared(rec.step, ok))
 
+    @charged("checksum")
+    def _checksums(self, views: list[np.ndarray[Any, Any]]) -> list[int]:
+        return [checksum(v) for v in views]
+
+    @charged("exchange")
     def run(self, rec: StepRec, loc: Local) -> None:
         """Send data chunks to their stripes' encoders, encode, forward parity, window by window.
 
@@ -105,6 +111,7 @@ class Exchange:
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
         nap = None if h.spin else NET_NAP
+        clock = h.cpu
         t_encode = 0.0
 
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
@@ -135,7 +142,8 @@ class Exchange:
                         if c is not None:
                             view = h.chunk_view(rec, c)
                             row = outbox[s - w0, : view.nbytes]
-                            row[:] = view
+                            with clock.phase("send"):
+                                row[:] = view
                             for to in ppos if replicate else (encoder,):
                                 data_reqs += links.isend(row, rank_at[to], TAG_DATA)
                 if replicate:
@@ -160,7 +168,13 @@ class Exchange:
         for wi, w0 in enumerate(starts):
             data_reqs, parity_reqs, mine_to_encode = posted
             data_scratch, out_scratch, _ = sets[wi % 2]
-            links.wait(data_reqs, f"data exchange of step {rec.step}", busy=h.spin, nap=nap)
+            links.wait(
+                data_reqs,
+                f"data exchange of step {rec.step}",
+                busy=h.spin,
+                nap=nap,
+                transfer=True,
+            )
             if wi + 1 < len(starts):
                 posted = post(starts[wi + 1])  # its rows were freed by window wi - 1
             for s in mine_to_encode:
@@ -169,12 +183,19 @@ class Exchange:
                 for i in range(1, m):
                     outs.append(out_scratch[(s - w0) * (m - 1) + i - 1])
                 t0 = time.perf_counter()
-                rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
+                with clock.phase("encode"):
+                    rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
                 t_encode += time.perf_counter() - t0
                 ppos = layout.parity_positions(s)
                 for i in range(1, m):
                     parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
-            links.wait(parity_reqs, f"parity exchange of step {rec.step}", busy=h.spin, nap=nap)
+            links.wait(
+                parity_reqs,
+                f"parity exchange of step {rec.step}",
+                busy=h.spin,
+                nap=nap,
+                transfer=True,
+            )
         encoded_stripes = (
             0
             if replicate
@@ -184,7 +205,7 @@ class Exchange:
         h.stats["encode_seconds"] += t_encode
         n = len(layout.parity_stripes[pos])
         if parity is not None:
-            loc.parity_crc = [checksum(parity[i * cb : (i + 1) * cb]) for i in range(n)]
+            loc.parity_crc = self._checksums([parity[i * cb : (i + 1) * cb] for i in range(n)])
         if loc.crc_job is not None:
             loc.data_crc = loc.crc_job.result()
         loc.t["stored"] = time.monotonic()

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from codec import checksum
+from storage.cpu import charged
 from storage.errors import StepNotFoundError
 from storage.host import Host
 from storage.protocol import Fetch, Offer
@@ -90,6 +91,7 @@ class Fetcher:
                     del self.waiting[fid]
                     self._finish(fid, {"error": "gone (deleted, or not held by any host)"})
 
+    @charged("fetch")
     def _offer(self, f: Fetch) -> Offer | None:
         """The offer of a shard this host holds (under the lock), else None."""
         h = self.host
@@ -110,15 +112,20 @@ class Fetcher:
         nbytes = shard.table[1] if f.table_only else shard.nbytes
         return Offer(f.id, f.to, h.slot, nbytes, list(shard.table), [] if f.table_only else chunks)
 
+    @charged("fetch")
     def _send(self, o: Offer) -> None:
         h = self.host
         buffer, table = self._sending.pop(o.id)
         array = h.pool.get(buffer).file.array
         view = array[table[0] : table[0] + table[1]] if table is not None else array[: o.nbytes]
         h.links.wait(
-            h.links.isend(view, h.rank_of[o.to], TAG_FETCH), "shard fetch (send)", busy=True
+            h.links.isend(view, h.rank_of[o.to], TAG_FETCH),
+            "shard fetch (send)",
+            busy=True,
+            transfer=True,
         )
 
+    @charged("fetch")
     def _receive(self, o: Offer) -> None:
         h = self.host
         src = h.rank_of[o.holder]
@@ -128,7 +135,9 @@ class Fetcher:
             return
         if f.table_only:
             raw = np.empty(o.nbytes, dtype=np.uint8)
-            h.links.wait(h.links.irecv(raw, src, TAG_FETCH), "table fetch", busy=True)
+            h.links.wait(
+                h.links.irecv(raw, src, TAG_FETCH), "table fetch", busy=True, transfer=True
+            )
             self._finish(o.id, {"meta": json.loads(raw.tobytes())})
             return
         path = h.dir / "tmp" / f"fetch-{o.id}"
@@ -137,11 +146,16 @@ class Fetcher:
         except OSError as exc:
             # the holder sends regardless: drain it into scratch so MPI stays in step
             sink = np.empty(o.nbytes, dtype=np.uint8)
-            h.links.wait(h.links.irecv(sink, src, TAG_FETCH), "shard fetch", busy=True)
+            h.links.wait(
+                h.links.irecv(sink, src, TAG_FETCH), "shard fetch", busy=True, transfer=True
+            )
             self._finish(o.id, {"error": f"no memory for the fetched shard: {exc}"})
             return
         h.links.wait(
-            h.links.irecv(tmp.array[: o.nbytes], src, TAG_FETCH), "shard fetch (receive)", busy=True
+            h.links.irecv(tmp.array[: o.nbytes], src, TAG_FETCH),
+            "shard fetch (receive)",
+            busy=True,
+            transfer=True,
         )
         bad = [c for c, off, n, crc in o.chunks if checksum(tmp.array[off : off + n]) != crc]
         tmp.close()

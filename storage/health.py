@@ -66,4 +66,5 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             persist_dir=str(tier.root) if tier.root else None,
             persisted=persisted,
             unreachable=list(h.unreachable),
+            cpu=h.cpu.totals(),
         )

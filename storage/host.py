@@ -7,7 +7,8 @@ its modules; none of them holds state the others need. It owns:
 - the host directory, its shared-memory :class:`~storage.pool.Pool`, its MPI links to the whole
   job (``links``) and to its group alone (``glinks``: group rank = position in the group);
 - the catalog (written by the round engine alone, read by every thread under ``lock``), what this
-  host holds of each step (:class:`Local`), the events waiting for the next round, counters;
+  host holds of each step (:class:`Local`), the events waiting for the next round, counters
+  and the CPU clock (``cpu``, :mod:`storage.cpu`);
 - ``lock`` (re-entrant) and ``cond`` on it: every field above that changes after start-up is read
   and written under it. Blocking I/O (MPI, the disk) never runs under it.
 
@@ -34,6 +35,7 @@ from codec import RSCodec
 from storage import recovery
 from storage.catalog import Catalog, StepRec, StepState
 from storage.config import ServeConfig, host_dir
+from storage.cpu import Clock
 from storage.errors import ConfigError, PeerUnreachableError, StorageTimeoutError
 from storage.faults import Hooks
 from storage.metrics import Latencies
@@ -136,9 +138,12 @@ class Host:
         self.hosts: list[str] = []  # by slot
         self.dir = host_dir(config.root, config.job, self.name)
         self.hooks = hooks
+        self.cpu = Clock()  # CPU seconds by phase (storage.cpu)
         self.pool: Pool = hooks.make_pool(self.dir, config.memory_budget)
+        self.pool.clock = self.cpu
         self.links = hooks.make_links(comm, config.peer_timeout, self.name)
         self.links.name = "job"
+        self.links.clock = self.cpu
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, config.keep)
         self.local: dict[int, Local] = {}
         self.events: list[Event] = []  # this host's events for the next round
@@ -187,6 +192,7 @@ class Host:
         gcomm = self.comm.Split(g.index, g.position(self.slot))
         self.glinks = self.hooks.make_links(gcomm, self.config.peer_timeout, self.name)
         self.glinks.name = "group"
+        self.glinks.clock = self.cpu
         self.catalog.group = g
         self.catalog.hosts = self.hosts
 

@@ -138,6 +138,14 @@ class SnapshotCollector(Collector):
             "ecsnap_encode_bytes", "Data bytes encoded into parity", stats["encode_bytes"]
         )
         yield counter("ecsnap_encode_seconds", "Seconds spent encoding", stats["encode_seconds"])
+        yield by(
+            CounterMetricFamily,
+            "ecsnap_cpu_seconds",
+            "CPU seconds by phase: this daemon's threads (other: its process time no phase "
+            "claimed), and its trainers' staging copies and hashing (stage, hash); see storage.cpu",
+            "phase",
+            snap.cpu,
+        )
         yield counter(
             "ecsnap_decode_bytes", "Bytes read to decode lost chunks", stats["decode_bytes"]
         )

@@ -13,6 +13,7 @@ grown), so that only the difference in size is faulted in then.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.cpu import Clock
 from storage.errors import CapacityError
 from transport import shm
 
@@ -53,6 +55,7 @@ class Pool:
         # deleted when freed, never reused: a view keeps its pages, and they never change.
         self.adopted: set[str] = set()
         self.lock = threading.Lock()
+        self.clock: Clock | None = None  # CPU accounting (the daemon's, set by its host)
         self._seq = 0
         self._making = 0  # bytes of files being made or changed (counted against the budget)
         # free files made ahead of need and not faulted in whole yet: name -> bytes faulted in
@@ -87,8 +90,19 @@ class Pool:
         """A pre-faulted file of at least ``size`` bytes (a free one of similar size if any).
 
         ``reserve`` is memory the caller needs soon after (parity): it must fit too. Raises
-        :class:`CapacityError` when the budget or the file system cannot hold it.
+        :class:`CapacityError` when the budget or the file system cannot hold it. Its CPU time,
+        with the helper threads' that fault pages in, is the ``clock``'s ``memory``.
         """
+        if self.clock is None:
+            return self._take(size, prefix, reserve)
+        with self.clock.phase("memory"):
+            return self._take(size, prefix, reserve)
+
+    def _helpers(self) -> Callable[[float], None] | None:
+        """Where the threads that fault pages in for a take say their CPU time."""
+        return None if self.clock is None else functools.partial(self.clock.add, "memory")
+
+    def _take(self, size: int, prefix: str, reserve: int) -> Buffer:
         with self.lock:
             best = None
             for name in self.free:
@@ -130,7 +144,7 @@ class Pool:
                 raise self._over(size + reserve)
             name = self._name(prefix)
         try:
-            f = shm.create(self.path(name), need, exclusive=True)
+            f = shm.create(self.path(name), need, exclusive=True, on_thread=self._helpers())
         except OSError as exc:
             if not isinstance(exc, FileExistsError):  # not ours to delete
                 try:
@@ -321,7 +335,7 @@ class Pool:
                 os.posix_fallocate(fd, start, end - start)
             finally:
                 os.close(fd)
-        shm.prefault(buf.file.array[start:end], threads=threads)
+        shm.prefault(buf.file.array[start:end], threads=threads, on_thread=self._helpers())
 
     def adopt_reserve(self) -> list[str]:
         """Take back the reserve files an earlier daemon left (no trainer ever mapped one)."""

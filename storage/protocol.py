@@ -386,6 +386,8 @@ class _WithBase(TypedDict, total=False):
     base_table: str  # alloc: the digest of the base shard's table, as the trainer wrote it
     dry: bool  # alloc: check the put only (a put with references allocates later)
     refs: int  # staged: bytes of the shard's tensors stored as references to its base
+    cpu_stage: float  # staged: the trainer's CPU seconds copying the shard in (storage.cpu)
+    cpu_hash: float  # staged: ... and hashing its leaves
 
 
 class AllocRequest(_WithBase):
@@ -588,6 +590,7 @@ class Snapshot:
     persist_dir: str | None
     persisted: list[int] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)  # hosts whose daemons fell silent
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by phase (storage.cpu)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

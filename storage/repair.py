@@ -25,6 +25,7 @@ from codec import checksum
 from codec.layout import zeros
 from storage import recovery
 from storage.catalog import StepRec, StepState
+from storage.cpu import charged
 from storage.errors import CapacityError
 from storage.host import Host
 from storage.placement import StripeLayout
@@ -130,6 +131,7 @@ class Repairer:
 
     # -- rebuilding -------------------------------------------------------------------------------
 
+    @charged("repair")
     def repair(self, rec: StepRec, erased: dict[int, Erasures]) -> None:
         """Rebuild the erased chunks of ``rec`` from their stripes (collective over the group:
         every daemon of the group calls this for the same step with the same ``erased``). More
@@ -235,6 +237,7 @@ class Repairer:
                         f"repair of step {rec.step}",
                         busy=h.spin and bool(jobs),
                         nap=SENDER_NAP,
+                        transfer=True,
                     )
                 finally:
                     t_wait += time.monotonic() - tw
@@ -356,7 +359,7 @@ class Repairer:
                 rs.scale_add(coeff, view, outbox[b], partials[b])
                 scaled += 1
                 sends += h.gl.isend(outbox[b], nxt, TAG_CHAIN + b)
-        h.gl.wait(sends + finals, what, nap=SENDER_NAP)
+        h.gl.wait(sends + finals, what, nap=SENDER_NAP, transfer=True)
         for got, dest in trims:
             dest[:] = got[: dest.nbytes]
         h.stats["decode_bytes"] += cb * scaled

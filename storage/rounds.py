@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from storage.catalog import StepState
+from storage.cpu import charged
 from storage.exchange import Exchange
 from storage.fetch import Fetcher
 from storage.host import Host, Local
@@ -72,6 +73,7 @@ class Rounds:
         self.leases = leases
         self.waiting: dict[int, list[Staged]] = {}  # staged here, their step not in a lane yet
 
+    @charged("rounds")
     def run(self) -> int:
         """Rounds until a daemon is asked to stop (then every daemon returns 0 together)."""
         h = self.host

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.catalog import StepRec, StepState
+from storage.cpu import charged
 from storage.errors import (
     SnapshotUnrecoverableError,
     StepExistsError,
@@ -79,6 +80,7 @@ class Service:
         self.repairer = repairer
         self.snapshot = snapshot  # () -> Snapshot
 
+    @charged("serve")
     def handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
         op = msg.get("op")
         try:
@@ -248,6 +250,8 @@ class Service:
             h.events.append(Staged(step, world, shard))
             h.stats["staged_bytes"] += nbytes
             h.stats["referenced_bytes"] += msg.get("refs", 0)
+        h.cpu.add("stage", msg.get("cpu_stage", 0.0))
+        h.cpu.add("hash", msg.get("cpu_hash", 0.0))
         h.wake.set()
         return {}
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from storage import persist
 from storage.catalog import StepRec, StepState
+from storage.cpu import charged
 from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
@@ -101,6 +102,7 @@ class Tier:
             self.unpublished[rec.step] = rec.world_size
         self._writer.submit(self._write, rec.step, mine)
 
+    @charged("persist")
     def _write(self, step: int, mine: list[tuple[int, ShardRecord, ShardRecord | None]]) -> None:
         """Write this host's shards of ``step`` to the partial directory (writer thread): each
         rank's safetensors file and its manifest entry beside it. A shard that refers to a base
@@ -204,6 +206,7 @@ class Tier:
 
     # -- putting back and reading -----------------------------------------------------------------
 
+    @charged("persist")
     def restore_newest(self) -> None:
         """Put the newest persisted step back into memory if memory holds nothing as new
         (collective, at start-up). Each daemon reads the ranks whose host it is (or that fall to

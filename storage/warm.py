@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from storage.catalog import StepState
+from storage.cpu import charged
 from storage.host import Host
 from storage.pool import RESERVE, Buffer
 
@@ -131,6 +132,7 @@ class Warmer:
                 h.cond.wait(0.1)  # the round engine notifies every round
         return not self._stop
 
+    @charged("warm")
     def _run(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

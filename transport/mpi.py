@@ -71,7 +71,11 @@ class Links:
         self.poll = poll
         self.counters = Counters()
         self._peer: dict[int, int] = {}  # id of a point-to-point request -> its peer
+        self._receives: set[int] = set()  # ids of the receive requests among them
         self.name = "links"  # which communicator, for errors (the daemon names its two)
+        # CPU accounting (storage.cpu.Clock or anything with its ``phase``): a wait is charged
+        # to "polling", a bulk one (``transfer``) to "receive" then "send"
+        self.clock: Any = None
 
     def wait(
         self,
@@ -80,6 +84,7 @@ class Links:
         timeout: float | None = None,
         busy: bool = False,
         nap: float | None = None,
+        transfer: bool = False,
     ) -> None:
         """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``.
 
@@ -89,28 +94,46 @@ class Links:
         sleeps between polls, from ``poll`` doubling up to 2 ms (small control messages, leaving
         the cores to training), or ``nap`` seconds every time (a bulk sender, whose transfer
         needs its progress often but not its whole core).
+
+        With a ``clock``, the wait's CPU time is charged to ``polling``; a ``transfer`` (bulk
+        bytes) to ``receive`` until this side's receives have completed, then to ``send``.
         """
         if not requests:
             return
         reqs = list(requests)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         try:
-            self._wait(reqs, what, timeout, busy, nap)
+            if self.clock is None:
+                self._wait(reqs, what, limit, deadline, busy, nap)
+            elif not transfer:
+                with self.clock.phase("polling"):
+                    self._wait(reqs, what, limit, deadline, busy, nap)
+            else:
+                # testing the receives alone progresses the sends too (MPI progress is global)
+                receives = [r for r in reqs if id(r) in self._receives]
+                with self.clock.phase("receive"):
+                    self._wait(receives, what, limit, deadline, busy, nap)
+                with self.clock.phase("send"):
+                    self._wait(reqs, what, limit, deadline, busy, nap)
         finally:
             for r in reqs:
                 self._peer.pop(id(r), None)
+                self._receives.discard(id(r))
 
     def _wait(
         self,
         reqs: list[Any],
         what: str,
-        timeout: float | None,
+        limit: float,
+        deadline: float,
         busy: bool,
         nap: float | None,
     ) -> None:
         from mpi4py import MPI
 
-        limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        if not reqs:
+            return
         sleep = self.poll if nap is None else nap
         tries = 0
         while not MPI.Request.Testall(reqs):
@@ -150,6 +173,7 @@ class Links:
                 for key in done:
                     for r in groups.pop(key):
                         self._peer.pop(id(r), None)
+                        self._receives.discard(id(r))
                 return done
             if time.monotonic() > deadline:
                 raise self._timed_out([r for g in groups.values() for r in g], what, self.timeout)
@@ -175,6 +199,7 @@ class Links:
             for o, n in pieces(view.nbytes, self.piece_bytes)
         ]
         self._peer.update((id(r), source) for r in reqs)
+        self._receives.update(id(r) for r in reqs)
         return reqs
 
     def allgather_json(

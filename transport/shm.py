@@ -11,6 +11,8 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +31,16 @@ _PAGE = mmap.PAGESIZE
 _PARALLEL_BYTES = 64 << 20
 
 
-def prefault(view: npt.NDArray[np.uint8], threads: int | None = None) -> None:
+def prefault(
+    view: npt.NDArray[np.uint8],
+    threads: int | None = None,
+    on_thread: Callable[[float], None] | None = None,
+) -> None:
     """Touch every page of ``view`` once (writes a zero per page) so later writes do not fault.
 
     A large view is split into page-aligned pieces touched by up to ``threads`` threads (default:
     the CPUs this process may run on, at most 8); numpy drops the GIL for the strided write.
+    ``on_thread`` is told each helper thread's CPU seconds (the caller's own are its own).
     """
     if not view.size:
         return
@@ -45,7 +52,7 @@ def prefault(view: npt.NDArray[np.uint8], threads: int | None = None) -> None:
     else:
         piece = -(-view.size // n // _PAGE) * _PAGE
         workers = [
-            threading.Thread(target=_touch, args=(view[i * piece : (i + 1) * piece],))
+            threading.Thread(target=_touch, args=(view[i * piece : (i + 1) * piece], on_thread))
             for i in range(1, n)
         ]
         for w in workers:
@@ -58,8 +65,11 @@ def prefault(view: npt.NDArray[np.uint8], threads: int | None = None) -> None:
     view[-1] = 0
 
 
-def _touch(view: npt.NDArray[np.uint8]) -> None:
+def _touch(view: npt.NDArray[np.uint8], on_thread: Callable[[float], None] | None = None) -> None:
+    t0 = time.thread_time()
     view[::_PAGE] = 0
+    if on_thread is not None:
+        on_thread(time.thread_time() - t0)
 
 
 class MappedFile:
@@ -126,11 +136,12 @@ def create(
     *,
     prefault_pages: bool = True,
     exclusive: bool = False,
+    on_thread: Callable[[float], None] | None = None,
 ) -> MappedFile:
     """Create (or resize) ``path`` as a 0600 file of ``size`` bytes, map it and pre-fault it.
 
     Raises ``OSError`` (ENOSPC) when the file system is full: /dev/shm is memory; with
-    ``exclusive``, ``FileExistsError`` if ``path`` exists.
+    ``exclusive``, ``FileExistsError`` if ``path`` exists. ``on_thread``: see :func:`prefault`.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if exclusive else 0), 0o600)
     try:
@@ -142,7 +153,7 @@ def create(
         os.close(fd)
     mf = MappedFile(path, size)
     if prefault_pages:
-        prefault(mf.array)
+        prefault(mf.array, on_thread=on_thread)
     return mf
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import REPO, Cluster
+from storage.cpu import PHASES
 
 from ._trainer import trainers
 from .test_recovery import _data_file, _flip
@@ -76,8 +77,12 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         assert m[("ecsnap_health", (("state", "healthy"),))] == 1
         trainers(c, "put", world=4, per_host=1, params={"steps": [1, 2]})
         held = {"data": 0.0, "parity": 0.0, "encoded": 0.0, "sent": 0.0}
+        cpu: dict[str, float] = {}
         for h in range(4):
             m = scrape(shm_root, c.job, f"host{h}")
+            for (name, labels), value in m.items():
+                if name == "ecsnap_cpu_seconds_total":
+                    cpu[dict(labels)["phase"]] = cpu.get(dict(labels)["phase"], 0.0) + value
             assert m[("ecsnap_latest_protected_step", ())] == 2
             assert m[("ecsnap_steps_held", ())] == 2
             assert m[("ecsnap_steps_protected_total", ())] == 2
@@ -101,6 +106,13 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
         # about m/k = 1/3 of the data, rounded up to whole chunks on a tiny state
         assert held["data"] > 0 and 0 < held["parity"] < held["data"]
         assert held["encoded"] > 0 and held["sent"] > 0
+        # CPU by phase: every phase the puts went through took some, the trainers' copies too
+        assert set(cpu) == set(PHASES)
+        for phase in ("stage", "checksum", "encode", "receive", "send", "exchange", "polling"):
+            assert cpu[phase] > 0, (phase, cpu)
+        for phase in ("rounds", "serve", "memory", "other"):
+            assert cpu[phase] > 0, (phase, cpu)
+        assert cpu["repair"] == 0 and cpu["fetch"] == 0  # nothing was rebuilt or fetched yet
         # a corrupted chunk found by a read: counted, repaired
         _flip(_data_file(shm_root, c.job, "host3", 2, 3))
         [r] = trainers(
@@ -144,6 +156,7 @@ def test_metrics_move_with_puts_corruption_and_rebuild(shm_root: Path) -> None:
                 break
             time.sleep(0.1)
         assert m[("ecsnap_rebuilt_chunks_total", ())] > 0
+        assert m[("ecsnap_cpu_seconds_total", (("phase", "repair"),))] > 0
         # its chunks were missing, not corrupted: a replacement is no checksum failure
         assert m[("ecsnap_missing_chunks_total", ())] > 0
         assert m[("ecsnap_checksum_failures_total", ())] == 0

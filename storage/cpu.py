@@ -1,0 +1,146 @@
+"""CPU seconds by phase: where a daemon's (and its trainers') cores go.
+
+Each thread times itself with its own CPU clock (``CLOCK_THREAD_CPUTIME_ID``): a phase entered
+inside another pauses the outer one, so every CPU second lands in exactly one phase, the
+innermost. What no phase claims (start-up, MPI's own threads, metrics scrapes, the garbage
+collector) is ``other``: the process's CPU time less the phases', so the phases add up to what
+the kernel charged the daemon. Trainers time their staging copy and their hashing the same way and
+send them with ``staged``; the daemon adds them under ``stage`` and ``hash`` (not part of its own
+process time).
+
+The phases (``ecsnap_cpu_seconds_total{phase}``):
+
+- ``stage``, ``hash``: the trainer's copy into shared memory; its digests of leaves that may be
+  unchanged (incremental puts);
+- ``checksum``: CRCs of data and parity chunks;
+- ``encode``: ISA-L encoding (``repair``'s decoding is under ``repair``);
+- ``receive``, ``send``: bulk bytes over MPI (a wait while this daemon's receives are
+  outstanding, then while only its sends are), with any spinning while they move; ``send`` also
+  holds the copy into the send rows;
+- ``exchange``: the rest of an exchange: posting transfers, the window bookkeeping;
+- ``polling``: waiting for the other daemons in a round's collectives;
+- ``rounds``: the round engine's own work (events, ballots, the catalog, manifests);
+- ``serve``: answering trainers (the socket threads);
+- ``memory``: fresh shared memory faulted in during live work; ``warm``: ahead of need;
+- ``repair``, ``fetch``, ``persist``: rebuilds and scrubs; reads served from another host; the
+  persistent tier's writer;
+- ``other``: the rest of the daemon's process time.
+
+Thread-safe: each thread keeps its own stack; the totals are behind a lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
+
+__all__ = ["PHASES", "TRAINER", "Clock", "charged"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TRAINER = ("stage", "hash")
+PHASES = (
+    *TRAINER,
+    "checksum",
+    "encode",
+    "receive",
+    "send",
+    "exchange",
+    "polling",
+    "rounds",
+    "serve",
+    "memory",
+    "warm",
+    "repair",
+    "fetch",
+    "persist",
+    "other",
+)
+
+
+def process_seconds() -> float:
+    """User + system CPU time of this process, every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Clock:
+    """CPU seconds per phase of one process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._local = threading.local()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Charge this thread's CPU time to ``name`` until the block ends (an enclosing phase
+        is paused meanwhile)."""
+        if name not in self._seconds:
+            raise ValueError(f"unknown CPU phase {name!r}; known: {', '.join(PHASES)}")
+        stack: list[_Frame] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        now = time.thread_time()
+        if stack:
+            self._charge(stack[-1], now)
+        stack.append(_Frame(name, now))
+        try:
+            yield
+        finally:
+            now = time.thread_time()
+            self._charge(stack.pop(), now)
+            if stack:
+                stack[-1].since = now  # the enclosing phase resumes
+
+    def _charge(self, frame: _Frame, now: float) -> None:
+        with self._lock:
+            self._seconds[frame.name] += now - frame.since
+        frame.since = now
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` measured elsewhere (a trainer's, a helper thread's) to ``name``."""
+        if name not in self._seconds:
+            raise ValueError(f"unknown CPU phase {name!r}; known: {', '.join(PHASES)}")
+        with self._lock:
+            self._seconds[name] += seconds
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase so far; ``other`` is the process time no phase of this process
+        claimed, start-up included (never negative: phases still running are charged when they
+        end)."""
+        with self._lock:
+            out = dict(self._seconds)
+        mine = sum(v for k, v in out.items() if k not in TRAINER and k != "other")
+        out["other"] = max(0.0, process_seconds() - mine)
+        return out
+
+
+class _Frame:
+    """A phase running on a thread: its name and when it was last charged (thread CPU time)."""
+
+    __slots__ = ("name", "since")
+
+    def __init__(self, name: str, since: float) -> None:
+        self.name = name
+        self.since = since
+
+
+def charged(phase: str) -> Callable[[F], F]:
+    """A method of a daemon module (an object with ``host``) whose CPU time is ``phase``'s, less
+    the phases entered inside it."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self.host.cpu.phase(phase):
+                return method(self, *args, **kwargs)
+
+        return cast(F, timed)
+
+    return decorate
