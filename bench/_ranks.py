@@ -19,6 +19,7 @@ import torch
 
 import storage
 from bench.harness import REPO, make_state, nbytes_of, same
+from storage.cpu import process_seconds
 
 __all__ = ["Workers", "fresh", "run_fresh", "worker"]
 
@@ -61,6 +62,7 @@ def worker(spec: dict[str, Any]) -> None:
         cmd = json.loads(line)
         out: dict[str, Any] = {}
         if cmd["op"] == "put":
+            cpu0 = process_seconds()  # nothing else runs in this process meanwhile
             t0 = time.perf_counter()
             h = store.put(cmd["step"], state)
             t_return = time.perf_counter() - t0
@@ -74,6 +76,7 @@ def worker(spec: dict[str, Any]) -> None:
                 "protected": time.perf_counter() - t0,
                 "at_staged": at_staged,  # wall clock: compared across the ranks' processes
                 "at_protected": time.time(),
+                "cpu": process_seconds() - cpu0,
             }
         elif cmd["op"] == "get":
             t0 = time.perf_counter()

@@ -20,18 +20,46 @@ import torch
 
 from bench._ranks import run_fresh
 
-__all__ = ["DISK", "dcp_async", "dcp_save_load", "floor_copy", "torch_disk", "torch_save_load"]
+__all__ = [
+    "DISK",
+    "dcp_async",
+    "dcp_save_load",
+    "floor_copy",
+    "floor_encode_cpu",
+    "torch_disk",
+    "torch_save_load",
+]
 
 DISK = Path(os.environ.get("ECSNAP_BENCH_DISK", tempfile.gettempdir()))
 
 
-def floor_copy(state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor) -> float:
+def floor_copy(
+    state: dict[str, torch.Tensor], buf: Any, pool: ThreadPoolExecutor
+) -> tuple[float, float]:
+    """The state copied once into ``buf`` (pre-faulted shared memory) by ``pool``'s threads:
+    (seconds, CPU seconds of every thread)."""
     from storage.state import flatten, stage
 
     _, leaves, nbytes = flatten(state)
     t0 = time.perf_counter()
-    stage(leaves, buf.array[:nbytes], pool)
-    return time.perf_counter() - t0
+    cpu = stage(leaves, buf.array[:nbytes], pool)
+    return time.perf_counter() - t0, cpu
+
+
+def floor_encode_cpu(data: Any, k: int, m: int, chunk: int) -> float:
+    """CPU seconds of one RS(k, m) encode pass over ``data`` (a uint8 array: stripes of k
+    chunks of ``chunk`` bytes, the tail left out), on this thread, as one daemon encodes."""
+    import numpy as np
+
+    from codec import RSCodec
+
+    rs = RSCodec(k, m)
+    parity = [np.ones(chunk, dtype=np.uint8) for _ in range(m)]  # faulted in before timing
+    stripe = k * chunk
+    t0 = time.thread_time()
+    for o in range(0, data.nbytes - stripe + 1, stripe):
+        rs.encode_into([data[o + j * chunk : o + (j + 1) * chunk] for j in range(k)], parity)
+    return time.thread_time() - t0
 
 
 def torch_save_load(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench._common import Recorder, exit_on_sigterm, table
+from bench._common import Recorder, exit_on_sigterm, summarize, table
 from bench._ranks import Workers, run_fresh
 from bench.harness import Cluster, make_state, nbytes_of
 
@@ -80,12 +81,14 @@ def _phase(
     size: tuple[int, int],
     rounds: tuple[int, int, int],
     in_process: Callable[[int], dict[str, float]],
+    cpu: dict[str, list[float]],
 ) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
     """Puts, local gets and host losses through one set of RS(k, m) daemons.
 
     ``size`` is (state bytes, tensors), ``rounds`` (warm-up puts, measured puts, host losses).
     Each put round also runs ``in_process(round)`` (the contenders timed in this process), so
     drift hits them alike. Samples are named ``<label>_...``; returns them and each host's info.
+    Each measured put's CPU seconds per protected GB go to ``cpu`` by phase (:func:`_put_cpu`).
     """
     nbytes, ntensors = size
     warmup, repeats, losses = rounds
@@ -96,7 +99,13 @@ def _phase(
         workers = Workers(job, root, nbytes, ntensors, HOSTS)
         for r in range(warmup + repeats):
             step = r + 1
+            before = workers.all({"op": "info"})
             puts = workers.all({"op": "put", "step": step})
+            after = workers.all({"op": "info"})
+            if r >= warmup:
+                state_bytes = sum(w["nbytes"] for w in workers.ready)
+                for phase, seconds in _put_cpu(before, after, puts).items():
+                    cpu.setdefault(phase, []).append(seconds / (state_bytes / 1e9))
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
             restarted = run_fresh(
                 [{**spec, "op": "get", "step": step, "verify": r == 0} for spec in workers.specs]
@@ -163,6 +172,83 @@ def _phase(
             print((root / "daemons.log").read_text(), file=sys.stderr)
         shutil.rmtree(root / job, ignore_errors=True)  # its memory, before the next phase
     return samples, infos
+
+
+def _cpu_floor(
+    data: Any, copy_cpu: list[float], k: int, m: int, chunk: int, repeats: int
+) -> Callable[[int, int], dict[str, float]]:
+    """The CPU floor of protecting a GB, by part, for a scheme RS(k, m): one copy of the state
+    (the copy floor's CPU, measured each repeat), one encode pass (none for copies, k = 1) and one
+    send and one receive of the bytes each host must move (:mod:`bench.transfer_floor`, measured
+    here), all medians of this run."""
+    from bench import transfer_floor
+
+    gb = data.nbytes / 1e9
+    encode = statistics.median(
+        baselines.floor_encode_cpu(data, k, m, chunk) / gb for _ in range(max(3, repeats // 2))
+    )
+    swap_bytes = min(256 << 20, data.nbytes)
+    swaps = transfer_floor.measure(swap_bytes, piece=chunk, repeats=max(3, repeats))
+    per_byte = statistics.median(s["cpu"] for s in swaps) / (2 * swap_bytes)  # sent + received
+    copy = statistics.median(copy_cpu)
+
+    def floor(k_: int, m_: int) -> dict[str, float]:
+        if k_ > 1 and (k_, m_) != (k, m):
+            raise ValueError(f"the encode floor was measured for RS({k},{m}), not RS({k_},{m_})")
+        moved = (1 + (m_ - 1) / k_) if k_ > 1 else m_  # bytes each host sends (and receives)
+        parts = {
+            "copy": copy,
+            "encode": encode if k_ > 1 else 0.0,  # copies are not encoded
+            "send + receive": per_byte * moved * 1e9,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+    return floor
+
+
+def _record_cpu(
+    rec: Recorder, scheme: str, cpu: dict[str, list[float]], floor: dict[str, float]
+) -> list[tuple[Any, ...]]:
+    """One ``cpu`` record per phase (CPU seconds per protected GB: median and spread), and one
+    per part of the floor; returns table rows."""
+    rows: list[tuple[Any, ...]] = []
+    for phase, values in sorted(cpu.items(), key=lambda kv: -statistics.median(kv[1])):
+        stats = summarize(values)
+        rec.add(
+            kind="cpu",
+            scheme=scheme,
+            phase=phase,
+            samples=len(values),
+            unit="CPU s per protected GB",
+            median=stats["median_s"],
+            p10=stats["p10_s"],
+            p90=stats["p90_s"],
+        )
+        rows.append((scheme, phase, stats["median_s"], stats["p10_s"], stats["p90_s"], ""))
+    for part, value in floor.items():
+        rec.add(kind="cpu_floor", scheme=scheme, part=part, value=value, unit="CPU s per GB")
+        rows.append((scheme, f"floor: {part}", value, "", "", "floor"))
+    return rows
+
+
+def _put_cpu(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], puts: list[dict[str, Any]]
+) -> dict[str, float]:
+    """CPU seconds of one put of every rank, by phase: the daemons' (``ecsnap_cpu_seconds``
+    between an ``info`` before and one after, summed over hosts) and the trainers' processes
+    (``trainer``: the rest of their time besides ``stage`` and ``hash``, which the daemons
+    report for them); ``total`` is the sum."""
+    from storage.cpu import TRAINER
+
+    out: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for phase, seconds in a["cpu"].items():
+            out[phase] = out.get(phase, 0.0) + seconds - b["cpu"].get(phase, 0.0)
+    trainers = sum(p["cpu"] for p in puts)
+    out["trainer"] = max(0.0, trainers - sum(out.get(p, 0.0) for p in TRAINER))
+    out["total"] = sum(out.values())
+    return out
 
 
 def _bytes(
@@ -238,8 +324,12 @@ def run(
         file=sys.stderr,
     )
 
+    floor_copy_cpu: list[float] = []  # CPU seconds per GB of the copy floor, each repeat
+
     def alternatives(r: int) -> dict[str, float]:
-        out = {"floor_copy_2threads": baselines.floor_copy(state, floor_buf, pool)}
+        seconds, copy_cpu = baselines.floor_copy(state, floor_buf, pool)
+        floor_copy_cpu.append(copy_cpu / (actual / 1e9))
+        out = {"floor_copy_2threads": seconds}
         out.update(baselines.torch_save_load(state, root, HOSTS))
         out["torch_save_disk"], out["torch_load_disk"] = baselines.torch_disk(state)
         out["dcp_async_save_blocking"], out["dcp_async_save_done"] = baselines.dcp_async(
@@ -252,10 +342,12 @@ def run(
         # the same load in both phases, so that their times compare; kept apart by name
         return {f"{n}_replication_phase": v for n, v in alternatives(r + 1000).items()}
 
+    cpu: dict[str, list[float]] = {}
+    repl_cpu: dict[str, list[float]] = {}
     try:
         rounds = (warmup, repeats, losses)
         samples, infos = _phase(
-            "ecsnap", "bench", root, k, m, chunk, (nbytes, ntensors), rounds, alternatives
+            "ecsnap", "bench", root, k, m, chunk, (nbytes, ntensors), rounds, alternatives, cpu
         )
         if replicas > 1:
             more, repl_infos = _phase(
@@ -268,8 +360,10 @@ def run(
                 (nbytes, ntensors),
                 rounds,
                 alternatives_again,
+                repl_cpu,
             )
             samples.update(more)
+        floor = _cpu_floor(floor_buf.array[:actual], floor_copy_cpu, k, m, chunk, repeats)
     finally:
         floor_buf.close()
         pool.shutdown()
@@ -334,6 +428,24 @@ def run(
             "<= 1.01",
         ),
     ]
+    cpu_rows = _record_cpu(rec, f"RS({k},{m})", cpu, floor(k, m))
+    ratios.append(
+        (
+            "daemon + trainer CPU per protected GB / floor (one copy, one encode, one send and "
+            "one receive)",
+            statistics.median(cpu["total"]) / floor(k, m)["total"],
+            "<= 1.5",
+        )
+    )
+    if replicas > 1:
+        cpu_rows += _record_cpu(rec, f"{replicas}-way", repl_cpu, floor(1, replicas - 1))
+        ratios.append(
+            (
+                f"{replicas}-way: daemon + trainer CPU per protected GB / floor",
+                statistics.median(repl_cpu["total"]) / floor(1, replicas - 1)["total"],
+                None,
+            )
+        )
     ratio_rows = rec.ratios(ratios)
     if replicas > 1:
         _compare(rec, med, f"RS({k},{m})", f"{replicas}-way")
@@ -346,6 +458,8 @@ def run(
             ["scheme", "host", "blob bytes", "parity/blob", "target", "sent/blob", "target"],
         )
     )
+    print()
+    print(table(cpu_rows, ["scheme", "CPU phase", "s per protected GB", "p10", "p90", "floor"]))
     print()
     print(table(ratio_rows, ["ratio (this run)", "value", "target", "met"]))
     if replicas > 1:

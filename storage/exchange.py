@@ -142,6 +142,11 @@ class Exchange:
                         if c is not None:
                             view = h.chunk_view(rec, c)
                             row = outbox[s - w0, : view.nbytes]
+                            # A copy kept: MPICH sends from a shard's /dev/shm mapping at 2.6x
+                            # the CPU of private memory, and this copy and its send together
+                            # cost less (256 MiB each way between two ranks, CPU of both: 0.154 s
+                            # sent from the mapping, 0.135 s copied first, 0.059 s private;
+                            # bench/transfer_floor.py --source shm|shm-copied|private)
                             with clock.phase("send"):
                                 row[:] = view
                             for to in ppos if replicate else (encoder,):

@@ -415,6 +415,9 @@ class Repairer:
                     elif hp == pos:
                         assert view is not None
                         if staged is None:
+                            # copied into a private row, as the exchange does, and for its
+                            # measured reason (storage/exchange.py: MPICH sends from a /dev/shm
+                            # mapping at 2.6x the CPU)
                             staged = outbox[b, : view.nbytes]
                             staged[:] = view
                         reqs += h.gl.isend(staged, d, TAG_REPAIR)
