@@ -11,6 +11,7 @@ counts are C ints), posted together so they pipeline; sender and receiver must c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,6 +28,9 @@ __all__ = ["Counters", "Gathering", "Links", "pieces"]
 DEFAULT_PIECE = 64 << 20
 CONTROL_SPIN = 0.0005  # seconds a busy control wait spins before it naps
 CONTROL_NAP = 0.0005  # ... and its longest nap then (a nap costs ~13 us of CPU here)
+TRANSFER_STALL = 0.0005  # seconds a bulk receive spins with nothing arriving before it naps
+TRANSFER_NAP = 0.0002
+SEND_NAP = 0.0002  # a bulk wait's sleep once only its sends are left
 MAX_PIECE = (1 << 31) - 1
 
 
@@ -103,8 +107,14 @@ class Links:
         work, and the wait naps (from ``poll`` doubling to ``CONTROL_NAP``) instead of taking the
         core that peer may need.
 
-        With a ``clock``, the wait's CPU time is charged to ``polling``; a ``transfer`` (bulk
-        bytes) to ``receive`` until this side's receives have completed, then to ``send``.
+        A ``transfer`` (bulk bytes) waits for this side's receives first, ``busy`` ones spinning
+        while pieces arrive and napping while none does (:meth:`_drain`); then for its sends
+        alone, napping ``nap`` (default ``SEND_NAP``) between polls: a sender that spins takes
+        the core its receivers copy with (bench store --quick, 4 virtual hosts on 2 cores: CPU
+        per protected GB in sends 0.36 -> 0.13 s, put->protected 0.212 -> 0.171 s).
+
+        With a ``clock``, the wait's CPU time is charged to ``polling``; a transfer's to
+        ``receive``, then ``send``.
         """
         if not requests:
             return
@@ -115,20 +125,18 @@ class Links:
         try:
             if not transfer:
                 spin = now + CONTROL_SPIN if busy else None
-                if self.clock is None:
+                with self._phase("polling"):
                     self._wait(reqs, what, limit, deadline, busy, nap, spin)
+                return
+            # testing the receives alone progresses the sends too (MPI progress is global)
+            receives = [r for r in reqs if id(r) in self._receives]
+            with self._phase("receive"):
+                if busy:
+                    self._drain(receives, what, limit, deadline)
                 else:
-                    with self.clock.phase("polling"):
-                        self._wait(reqs, what, limit, deadline, busy, nap, spin)
-            elif self.clock is None:
-                self._wait(reqs, what, limit, deadline, busy, nap)
-            else:
-                # testing the receives alone progresses the sends too (MPI progress is global)
-                receives = [r for r in reqs if id(r) in self._receives]
-                with self.clock.phase("receive"):
-                    self._wait(receives, what, limit, deadline, busy, nap)
-                with self.clock.phase("send"):
-                    self._wait(reqs, what, limit, deadline, busy, nap)
+                    self._wait(receives, what, limit, deadline, False, nap)
+            with self._phase("send"):
+                self._wait(reqs, what, limit, deadline, False, SEND_NAP if nap is None else nap)
         finally:
             for r in reqs:
                 self._peer.pop(id(r), None)
@@ -166,6 +174,46 @@ class Links:
             if not busy:
                 time.sleep(sleep)
                 sleep = nap if nap is not None else min(sleep * 2, longest)
+
+    def _phase(self, name: str) -> Any:
+        return contextlib.nullcontext() if self.clock is None else self.clock.phase(name)
+
+    def _drain(self, reqs: list[Any], what: str, limit: float, deadline: float) -> None:
+        """A busy wait for bulk receives that naps while nothing arrives: spinning while pieces
+        complete, ``TRANSFER_NAP`` sleeps once none has for ``TRANSFER_STALL`` (the sender is not
+        sending yet: encoding, copying, or waiting for a core)."""
+        from mpi4py import MPI
+
+        pending = list(reqs)
+        tries = 0
+        stalled: float | None = None
+        napping = False
+        while pending:
+            done = MPI.Request.Testsome(pending)
+            if done is None:
+                return  # every request was complete already
+            if done:
+                gone = set(done)
+                pending = [r for i, r in enumerate(pending) if i not in gone]
+                tries, stalled, napping = 0, None, False
+                continue
+            if napping:
+                if time.monotonic() > deadline:
+                    raise self._timed_out(reqs, what, limit)
+                time.sleep(TRANSFER_NAP)
+                continue
+            tries += 1
+            if tries & 31 == 0:
+                os.sched_yield()
+            if tries & 255:
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                raise self._timed_out(reqs, what, limit)
+            if stalled is None:
+                stalled = now
+            elif now - stalled > TRANSFER_STALL:
+                napping = True  # until a piece arrives
 
     def _timed_out(self, reqs: list[Any], what: str, limit: float) -> PeerTimeoutError:
         silent = [self._peer[id(r)] for r in reqs if id(r) in self._peer and not r.Test()]

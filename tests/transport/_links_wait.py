@@ -1,9 +1,9 @@
 """Run under ``mpiexec -n 2`` by test_links: how much CPU a waiting rank's waits take.
 
-Rank 1 joins each collective late (``--late`` seconds, sleeping); rank 0 waits for it with
+Rank 1 joins late (``late`` seconds, sleeping); rank 0 waits for it with
 :meth:`transport.mpi.Links.wait` as a round does (``busy``: a control wait) and as a bulk
-receive does (``transfer``), and prints its CPU and wall seconds for each, as one JSON line.
-Then both swap bytes with ``transfer`` waits under a clock, to show which phases got them.
+receive does (``busy``, ``transfer``), and prints its CPU and wall seconds for each, as one JSON
+line. Then both swap bytes with ``transfer`` waits under a clock, to show which phases got them.
 """
 
 from __future__ import annotations

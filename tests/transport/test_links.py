@@ -10,7 +10,7 @@ from bench.harness import REPO
 from storage.launch import mpiexec
 
 
-def test_a_busy_control_wait_naps_once_its_peer_is_late_and_a_transfer_spins() -> None:
+def test_busy_waits_nap_once_their_peer_is_late() -> None:
     late = 0.5
     done = subprocess.run(
         [mpiexec(), "-n", "2", sys.executable, "-m", "tests.transport._links_wait", str(late)],
@@ -23,9 +23,9 @@ def test_a_busy_control_wait_naps_once_its_peer_is_late_and_a_transfer_spins() -
     out = json.loads(done.stdout.strip().splitlines()[-1])
     control, transfer = out["control"], out["transfer"]
     assert control["wall"] >= 0.8 * late and transfer["wall"] >= 0.8 * late  # it did wait
-    # a round's wait spins only for its first half millisecond: then it gives the core back
+    # a round's wait spins only for its first half millisecond: then it gives the core back;
+    # so does a bulk receive once nothing has arrived for as long
     assert control["cpu"] < 0.3 * control["wall"], control
-    # a bulk wait keeps polling (MPICH's shared-memory path moves bytes only inside its polls)
-    assert transfer["cpu"] > 0.5 * transfer["wall"], transfer
-    phases = out["phases"]
-    assert phases["receive"] > 0 and phases["polling"] > 0
+    assert transfer["cpu"] < 0.3 * transfer["wall"], transfer
+    phases = out["phases"]  # the swap (its bytes checked) under a clock
+    assert phases["receive"] > 0 and phases["send"] > 0 and phases["polling"] > 0
