@@ -35,6 +35,7 @@ from typing import Any
 from bench._common import Recorder, table
 from bench._ranks import Workers
 from bench.lab import Lab, LabJob, janitor
+from bench.store import put_cpu, record_cpu
 
 HOSTS = 4
 SCHEMES = [  # (label, k, m, repair)
@@ -75,6 +76,7 @@ def _phase(
     workers = None
     med: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # CPU seconds per protected GB, by phase
     try:
         workers = Workers(job, None, nbytes, ntensors, n, places=places)
         blob = max(r["nbytes"] for r in workers.ready)
@@ -91,6 +93,9 @@ def _phase(
                     raise AssertionError(f"{label}: get returned different bytes than were put")
             t = max(p["protected"] for p in puts)
             if r >= warmup:
+                state_gb = sum(w["nbytes"] for w in workers.ready) / 1e9
+                for phase, seconds in put_cpu(info0, info1, puts).items():
+                    cpu.setdefault(phase, []).append(seconds / state_gb)
                 samples.setdefault("put_protected", []).append(t)
                 samples.setdefault("put_busiest_link_bytes", []).append(_busiest(link0, link1))
                 for i in range(n):
@@ -141,6 +146,17 @@ def _phase(
                 file=sys.stderr,
             )
         med = {n: statistics.median(v) for n, v in samples.items()}
+        record_cpu(rec, label, cpu, {})
+        med["cpu_per_gb"] = statistics.median(cpu["total"])
+        print(
+            f"{label} CPU s per protected GB: "
+            + ", ".join(
+                f"{p} {statistics.median(v):.3f}"
+                for p, v in sorted(cpu.items(), key=lambda kv: -statistics.median(kv[1]))
+                if statistics.median(v) >= 0.001
+            ),
+            file=sys.stderr,
+        )
         floor_put = blob * (1 + (m - 1) / k) / rate
         floor_rebuild = med.get("rebuild_lost_bytes", 0) / rate
         med["put_floor"] = floor_put
@@ -208,6 +224,7 @@ def run(
                 med.get("rebuild_into_replacement_bytes", 0)
                 / max(med.get("rebuild_lost_bytes", 1), 1),
                 med["put_link_from_host_bytes"] / max(med["put_metrics_sent_bytes"], 1),
+                med["cpu_per_gb"],
             )
         )
     print(
@@ -222,6 +239,7 @@ def run(
                 "x floor",
                 "into/lost",
                 "link/metrics",
+                "CPU s/GB",
             ],
         )
     )

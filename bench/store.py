@@ -88,7 +88,7 @@ def _phase(
     ``size`` is (state bytes, tensors), ``rounds`` (warm-up puts, measured puts, host losses).
     Each put round also runs ``in_process(round)`` (the contenders timed in this process), so
     drift hits them alike. Samples are named ``<label>_...``; returns them and each host's info.
-    Each measured put's CPU seconds per protected GB go to ``cpu`` by phase (:func:`_put_cpu`).
+    Each measured put's CPU seconds per protected GB go to ``cpu`` by phase (:func:`put_cpu`).
     """
     nbytes, ntensors = size
     warmup, repeats, losses = rounds
@@ -104,7 +104,7 @@ def _phase(
             after = workers.all({"op": "info"})
             if r >= warmup:
                 state_bytes = sum(w["nbytes"] for w in workers.ready)
-                for phase, seconds in _put_cpu(before, after, puts).items():
+                for phase, seconds in put_cpu(before, after, puts).items():
                     cpu.setdefault(phase, []).append(seconds / (state_bytes / 1e9))
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
             restarted = run_fresh(
@@ -207,7 +207,7 @@ def _cpu_floor(
     return floor
 
 
-def _record_cpu(
+def record_cpu(
     rec: Recorder, scheme: str, cpu: dict[str, list[float]], floor: dict[str, float]
 ) -> list[tuple[Any, ...]]:
     """One ``cpu`` record per phase (CPU seconds per protected GB: median and spread), and one
@@ -232,7 +232,7 @@ def _record_cpu(
     return rows
 
 
-def _put_cpu(
+def put_cpu(
     before: list[dict[str, Any]], after: list[dict[str, Any]], puts: list[dict[str, Any]]
 ) -> dict[str, float]:
     """CPU seconds of one put of every rank, by phase: the daemons' (``ecsnap_cpu_seconds``
@@ -428,7 +428,7 @@ def run(
             "<= 1.01",
         ),
     ]
-    cpu_rows = _record_cpu(rec, f"RS({k},{m})", cpu, floor(k, m))
+    cpu_rows = record_cpu(rec, f"RS({k},{m})", cpu, floor(k, m))
     ratios.append(
         (
             "daemon + trainer CPU per protected GB / floor (one copy, one encode, one send and "
@@ -438,7 +438,7 @@ def run(
         )
     )
     if replicas > 1:
-        cpu_rows += _record_cpu(rec, f"{replicas}-way", repl_cpu, floor(1, replicas - 1))
+        cpu_rows += record_cpu(rec, f"{replicas}-way", repl_cpu, floor(1, replicas - 1))
         ratios.append(
             (
                 f"{replicas}-way: daemon + trainer CPU per protected GB / floor",

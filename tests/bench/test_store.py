@@ -35,12 +35,12 @@ def test_fresh_processes_time_loads_and_report_failures(tmp_path: Path) -> None:
 
 
 def test_a_puts_cpu_sums_the_hosts_and_counts_the_trainers_once() -> None:
-    from bench.store import _put_cpu
+    from bench.store import put_cpu
 
     before = [{"cpu": {"encode": 1.0, "stage": 0.5}}, {"cpu": {"encode": 2.0, "stage": 0.0}}]
     after = [{"cpu": {"encode": 1.5, "stage": 0.75}}, {"cpu": {"encode": 2.25, "stage": 0.125}}]
     puts = [{"cpu": 0.5}, {"cpu": 0.25}]  # each trainer process's whole time, its copies too
-    out = _put_cpu(before, after, puts)
+    out = put_cpu(before, after, puts)
     assert out["encode"] == 0.75 and out["stage"] == 0.375
     assert out["trainer"] == 0.375  # 0.75 less the copies the daemons were told of
     assert out["total"] == 0.75 + 0.375 + 0.375
