@@ -32,10 +32,9 @@ import time
 import uuid
 from typing import Any
 
-from bench._common import Recorder, table
+from bench._common import Recorder, put_cpu, record_cpu, table
 from bench._ranks import Workers
 from bench.lab import Lab, LabJob, janitor
-from bench.store import put_cpu, record_cpu
 
 HOSTS = 4
 SCHEMES = [  # (label, k, m, repair)

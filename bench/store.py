@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench._common import Recorder, exit_on_sigterm, summarize, table
+from bench._common import Recorder, exit_on_sigterm, put_cpu, record_cpu, table
 from bench._ranks import Workers, run_fresh
 from bench.harness import Cluster, make_state, nbytes_of
 
@@ -205,50 +205,6 @@ def _cpu_floor(
         return parts
 
     return floor
-
-
-def record_cpu(
-    rec: Recorder, scheme: str, cpu: dict[str, list[float]], floor: dict[str, float]
-) -> list[tuple[Any, ...]]:
-    """One ``cpu`` record per phase (CPU seconds per protected GB: median and spread), and one
-    per part of the floor; returns table rows."""
-    rows: list[tuple[Any, ...]] = []
-    for phase, values in sorted(cpu.items(), key=lambda kv: -statistics.median(kv[1])):
-        stats = summarize(values)
-        rec.add(
-            kind="cpu",
-            scheme=scheme,
-            phase=phase,
-            samples=len(values),
-            unit="CPU s per protected GB",
-            median=stats["median_s"],
-            p10=stats["p10_s"],
-            p90=stats["p90_s"],
-        )
-        rows.append((scheme, phase, stats["median_s"], stats["p10_s"], stats["p90_s"], ""))
-    for part, value in floor.items():
-        rec.add(kind="cpu_floor", scheme=scheme, part=part, value=value, unit="CPU s per GB")
-        rows.append((scheme, f"floor: {part}", value, "", "", "floor"))
-    return rows
-
-
-def put_cpu(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], puts: list[dict[str, Any]]
-) -> dict[str, float]:
-    """CPU seconds of one put of every rank, by phase: the daemons' (``ecsnap_cpu_seconds``
-    between an ``info`` before and one after, summed over hosts) and the trainers' processes
-    (``trainer``: the rest of their time besides ``stage`` and ``hash``, which the daemons
-    report for them); ``total`` is the sum."""
-    from storage.cpu import TRAINER
-
-    out: dict[str, float] = {}
-    for b, a in zip(before, after, strict=True):
-        for phase, seconds in a["cpu"].items():
-            out[phase] = out.get(phase, 0.0) + seconds - b["cpu"].get(phase, 0.0)
-    trainers = sum(p["cpu"] for p in puts)
-    out["trainer"] = max(0.0, trainers - sum(out.get(p, 0.0) for p in TRAINER))
-    out["total"] = sum(out.values())
-    return out
 
 
 def _bytes(

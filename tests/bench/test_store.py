@@ -35,7 +35,7 @@ def test_fresh_processes_time_loads_and_report_failures(tmp_path: Path) -> None:
 
 
 def test_a_puts_cpu_sums_the_hosts_and_counts_the_trainers_once() -> None:
-    from bench.store import put_cpu
+    from bench._common import put_cpu
 
     before = [{"cpu": {"encode": 1.0, "stage": 0.5}}, {"cpu": {"encode": 2.0, "stage": 0.0}}]
     after = [{"cpu": {"encode": 1.5, "stage": 0.75}}, {"cpu": {"encode": 2.25, "stage": 0.125}}]
