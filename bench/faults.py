@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
 import random
 import shutil
@@ -304,13 +305,38 @@ def _job_pids(job: str, daemons_only: bool = False) -> list[int]:
     return out
 
 
-def _files(job: Job, host: int) -> dict[str, list[Path]]:
+def _files(job: Job, host: int) -> dict[str, list[tuple[Path, int]]]:
+    """The files of ``host`` that hold kept steps, each with the bytes of it in use: the shard
+    buffers and parity files its manifests name (the pool's free files, made ahead of need, hold
+    nothing: a fault there would test nothing), and the manifests."""
     d = job.root / job.job / f"host{host}"
-    return {
-        "data": sorted((d / "data").glob("r*")),
-        "parity": sorted((d / "parity").glob("p*")),
-        "manifest": sorted((d / "steps").glob("*.json")),
-    }
+    out: dict[str, list[tuple[Path, int]]] = {"data": [], "parity": [], "manifest": []}
+    for path in sorted((d / "steps").glob("*.json")):
+        out["manifest"].append((path, path.stat().st_size))
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        cb = int(m["step_chunk_bytes"])
+        for shard in m["shards"]:
+            f = d / "data" / shard["buffer"]
+            if f.exists() and shard["nbytes"]:
+                out["data"].append((f, int(shard["nbytes"])))
+        for slot, name in m["parity"].items():
+            f = d / "parity" / name
+            used = len(m["crc"].get(slot, {}).get("parity", [])) * cb
+            if name and f.exists() and used:
+                out["parity"].append((f, used))
+    return {kind: sorted(set(files)) for kind, files in out.items()}
+
+
+def _found(job: Job) -> int:
+    """Chunks and manifests the daemons found bad (checksum failures) or gone, summed."""
+    n = 0
+    for s in job.stores:
+        stats = s.info()["stats"]
+        n += int(stats["checksum_failures"]) + int(stats["missing_chunks"])
+    return n
 
 
 def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
@@ -322,6 +348,7 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
     host = rng.randrange(HOSTS)
     wiped: list[int] = []
     beyond = False
+    damaged = False  # a file of a kept step was corrupted or cut
     steps = 4
     try:
         if fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and fault != "kill@rebuilding":
@@ -378,14 +405,17 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
                     "corrupt-manifest": "manifest",
                 }[fault]
                 files = _files(job, host)[kind]
-                if files:
-                    f = rng.choice(files)
+                if not files:
+                    problems.append(f"{fault}: host{host} holds no {kind} file of a kept step")
+                else:
+                    f, used = rng.choice(files)
                     raw = bytearray(f.read_bytes())
                     if fault == "truncate-data":
-                        f.write_bytes(bytes(raw[: rng.randrange(len(raw))]))
-                    elif raw:
-                        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+                        f.write_bytes(bytes(raw[: rng.randrange(used)]))
+                    else:
+                        raw[rng.randrange(used)] ^= 1 << rng.randrange(8)
                         f.write_bytes(bytes(raw))
+                    damaged = True
         # an injected fault is counted from the lines each launch logged: one that never fired
         # tested nothing
         if fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and not job.fired:
@@ -397,6 +427,10 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
         job.connect()
         counts = job.verify(problems, beyond)
         counts["rebuilds"] = job.rebuilds()
+        if damaged and not _found(job):
+            problems.append(
+                f"{fault}: the daemons never found the damage: the trial tested nothing"
+            )
         counts["wiped"] = len(wiped)
         job.stop("term")
         if job.proc is not None:
