@@ -126,7 +126,7 @@ class Links:
             if not transfer:
                 spin = now + CONTROL_SPIN if busy else None
                 with self._phase("polling"):
-                    self._wait(reqs, what, limit, deadline, busy, nap, spin)
+                    self._wait(reqs, what, limit, deadline, nap, spin)
                 return
             # testing the receives alone progresses the sends too (MPI progress is global)
             receives = [r for r in reqs if id(r) in self._receives]
@@ -134,9 +134,9 @@ class Links:
                 if busy:
                     self._drain(receives, what, limit, deadline)
                 else:
-                    self._wait(receives, what, limit, deadline, False, nap)
+                    self._wait(receives, what, limit, deadline, nap)
             with self._phase("send"):
-                self._wait(reqs, what, limit, deadline, False, SEND_NAP if nap is None else nap)
+                self._wait(reqs, what, limit, deadline, SEND_NAP if nap is None else nap)
         finally:
             for r in reqs:
                 self._peer.pop(id(r), None)
@@ -148,14 +148,16 @@ class Links:
         what: str,
         limit: float,
         deadline: float,
-        busy: bool,
         nap: float | None,
         spin_until: float | None = None,
     ) -> None:
+        """Poll ``reqs`` until done: spinning until ``spin_until`` if given, sleeping between
+        polls from then on (see :meth:`wait`)."""
         from mpi4py import MPI
 
         if not reqs:
             return
+        busy = spin_until is not None
         sleep = self.poll if nap is None else nap
         longest = 0.002
         tries = 0
@@ -169,7 +171,7 @@ class Links:
             now = time.monotonic()
             if now > deadline:
                 raise self._timed_out(reqs, what, limit)
-            if busy and spin_until is not None and now > spin_until:
+            if spin_until is not None and busy and now > spin_until:
                 busy, longest = False, CONTROL_NAP  # a peer is busy elsewhere: nap from now on
             if not busy:
                 time.sleep(sleep)
