@@ -232,3 +232,16 @@ def put_cpu(
     out["trainer"] = max(0.0, trainers - sum(out.get(p, 0.0) for p in TRAINER))
     out["total"] = sum(out.values())
     return out
+
+
+def add_put_cpu(
+    cpu: dict[str, list[float]],
+    before: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    puts: list[dict[str, Any]],
+    state_bytes: int,
+) -> None:
+    """Append one put's CPU seconds per protected GB (of a ``state_bytes`` state) to ``cpu``,
+    by phase (:func:`put_cpu`)."""
+    for phase, seconds in put_cpu(before, after, puts).items():
+        cpu.setdefault(phase, []).append(seconds / (state_bytes / 1e9))

@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-from bench._common import Recorder, put_cpu, record_cpu, table
+from bench._common import Recorder, add_put_cpu, record_cpu, table
 from bench._ranks import Workers
 from bench.lab import Lab, LabJob, janitor
 
@@ -92,9 +92,7 @@ def _phase(
                     raise AssertionError(f"{label}: get returned different bytes than were put")
             t = max(p["protected"] for p in puts)
             if r >= warmup:
-                state_gb = sum(w["nbytes"] for w in workers.ready) / 1e9
-                for phase, seconds in put_cpu(info0, info1, puts).items():
-                    cpu.setdefault(phase, []).append(seconds / state_gb)
+                add_put_cpu(cpu, info0, info1, puts, sum(w["nbytes"] for w in workers.ready))
                 samples.setdefault("put_protected", []).append(t)
                 samples.setdefault("put_busiest_link_bytes", []).append(_busiest(link0, link1))
                 for i in range(n):
@@ -145,15 +143,11 @@ def _phase(
                 file=sys.stderr,
             )
         med = {n: statistics.median(v) for n, v in samples.items()}
-        record_cpu(rec, label, cpu, {})
+        rows = record_cpu(rec, label, cpu, {})  # by phase, the largest first
         med["cpu_per_gb"] = statistics.median(cpu["total"])
         print(
             f"{label} CPU s per protected GB: "
-            + ", ".join(
-                f"{p} {statistics.median(v):.3f}"
-                for p, v in sorted(cpu.items(), key=lambda kv: -statistics.median(kv[1]))
-                if statistics.median(v) >= 0.001
-            ),
+            + ", ".join(f"{phase} {s:.3f}" for _, phase, s, *_ in rows if s >= 0.001),
             file=sys.stderr,
         )
         floor_put = blob * (1 + (m - 1) / k) / rate

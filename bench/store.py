@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench._common import Recorder, exit_on_sigterm, put_cpu, record_cpu, table
+from bench._common import Recorder, add_put_cpu, exit_on_sigterm, record_cpu, table
 from bench._ranks import Workers, run_fresh
 from bench.harness import Cluster, make_state, nbytes_of
 
@@ -88,7 +88,7 @@ def _phase(
     ``size`` is (state bytes, tensors), ``rounds`` (warm-up puts, measured puts, host losses).
     Each put round also runs ``in_process(round)`` (the contenders timed in this process), so
     drift hits them alike. Samples are named ``<label>_...``; returns them and each host's info.
-    Each measured put's CPU seconds per protected GB go to ``cpu`` by phase (:func:`put_cpu`).
+    Each measured put's CPU seconds per protected GB go to ``cpu`` by phase (``add_put_cpu``).
     """
     nbytes, ntensors = size
     warmup, repeats, losses = rounds
@@ -103,9 +103,7 @@ def _phase(
             puts = workers.all({"op": "put", "step": step})
             after = workers.all({"op": "info"})
             if r >= warmup:
-                state_bytes = sum(w["nbytes"] for w in workers.ready)
-                for phase, seconds in put_cpu(before, after, puts).items():
-                    cpu.setdefault(phase, []).append(seconds / (state_bytes / 1e9))
+                add_put_cpu(cpu, before, after, puts, sum(w["nbytes"] for w in workers.ready))
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
             restarted = run_fresh(
                 [{**spec, "op": "get", "step": step, "verify": r == 0} for spec in workers.specs]
