@@ -103,6 +103,13 @@ class Clock:
             self._seconds[frame.name] += now - frame.since
         frame.since = now
 
+    def flush(self) -> None:
+        """Charge this thread's running phase up to now (a phase that runs for a thread's whole
+        life, such as the warmer's, would otherwise show only when the thread ends)."""
+        stack: list[_Frame] | None = getattr(self._local, "stack", None)
+        if stack:
+            self._charge(stack[-1], time.thread_time())
+
     def add(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` measured elsewhere (a trainer's, a helper thread's) to ``name``."""
         if name not in self._seconds:

@@ -68,10 +68,13 @@ class Pool:
         self.ahead_bytes = 0  # faulted in ahead of need (make): reserve and warm files
         # in every name, so that no later daemon (even one with this pid) makes a name again
         self._tag = secrets.token_hex(3)
+        # reserve files turned into smaller ones and not cut yet: name -> bytes past its size
+        # that it still holds (cut in idle time by :meth:`cut`, counted in ``used`` till then)
+        self.uncut: dict[str, int] = {}
 
     @property
     def used(self) -> int:
-        return sum(b.size for b in self.files.values()) + self._making
+        return sum(b.size for b in self.files.values()) + self._making + sum(self.uncut.values())
 
     def count(self, prefix: str, size: int) -> int:
         """Files of ``prefix`` of about ``size`` bytes, in use or free (steady state holds
@@ -131,6 +134,8 @@ class Pool:
                     self.fresh_bytes += buf.size - done
             return buf
         need = max(size, 1)
+        if self.uncut and not self.fits(need + reserve):
+            self.cut()  # the tails of converted reserve files make room first
         claimed = self._claim_reserve(need, prefix, reserve)
         if claimed is not None:
             return self._convert(*claimed, need)
@@ -212,9 +217,37 @@ class Pool:
 
     def _convert(self, spare: Buffer, name: str, need: int, ahead: bool = False) -> Buffer:
         """Turn the reserve file ``spare`` (taken off the free list) into ``name`` of ``need``
-        bytes: renamed, then cut (its tail's pages go back) or grown and the rest faulted in."""
+        bytes: renamed, then grown and the rest faulted in, or, if it is larger, kept mapped and
+        cut later (:meth:`cut`, in idle time).
+
+        A larger file is not cut here: a take is on a put's path, and unmapping the reserve,
+        cutting it and mapping the rest again cost 0.13 s for 783 MB cut to 375 MB (0.03 s
+        unmap, 0.05 s ftruncate, 0.045 s MAP_POPULATE), 0.1 to 0.24 s for each of 4 daemons
+        converting at once on 2 cores; renaming and narrowing the view cost under 1 ms.
+        """
         old = spare.size
         src, dst = self.path(spare.name), self.path(name)
+        if need <= old:
+            try:
+                os.rename(src, dst)
+            except OSError as exc:
+                with self.lock:
+                    self._making -= need
+                spare.file.close()
+                src.unlink(missing_ok=True)
+                raise CapacityError(
+                    f"cannot allocate {need} bytes of shared memory: {exc}"
+                ) from exc
+            spare.file.follow(dst, need)
+            buf = Buffer(name, spare.file)
+            with self.lock:
+                self._making -= need
+                self.files[name] = buf
+                if old > need:
+                    self.uncut[name] = old - need
+                self.reserve_used += need
+                self.reserve_wasted += old - need
+            return buf
         try:
             os.rename(src, dst)
             spare.file.close()
@@ -405,9 +438,30 @@ class Pool:
             elif name in self.files:
                 self.free.add(name)
 
+    def cut(self) -> int:
+        """Cut the files converted from larger reserve files to their size (their tails' pages
+        go back to the system); the bytes given back. Safe while trainers map them: nobody
+        touches a file past its size. The ftruncate runs outside the lock (0.05 s for 400 MB)."""
+        freed = 0
+        with self.lock:
+            todo = [(n, self.files[n].size) for n in self.uncut if n in self.files]
+        for name, size in todo:
+            try:
+                fd = os.open(self.path(name), os.O_RDWR)
+            except FileNotFoundError:
+                continue  # dropped meanwhile
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            with self.lock:
+                freed += self.uncut.pop(name, 0)
+        return freed
+
     def _drop(self, name: str) -> None:
         buf = self.files.pop(name)
         self.free.discard(name)
+        self.uncut.pop(name, None)
         self.partial.pop(name, None)
         self.adopted.discard(name)
         buf.file.close()

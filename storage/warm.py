@@ -127,6 +127,7 @@ class Warmer:
     def _pause(self) -> bool:
         """Wait until the host is idle; False once the daemon stops."""
         h = self.host
+        h.cpu.flush()  # the thread's warm time so far shows on /metrics now
         with h.cond:
             while not self._stop and self.busy():
                 h.cond.wait(0.1)  # the round engine notifies every round
@@ -145,6 +146,8 @@ class Warmer:
             if self.reserve:
                 self._make_reserve()
             while not self._stop:
+                if self.host.pool.uncut and self._pause():
+                    self.host.pool.cut()  # the tails of reserve files the first puts took
                 self.learn()
                 if not self._make_wanted():
                     with h.cond:
@@ -178,8 +181,12 @@ class Warmer:
     def _make_wanted(self) -> bool:
         """Make (or go on making) one wanted file, if one is missing; whether one was made."""
         pool = self.host.pool
-        # the fewest first: the next put's files before the one after's
-        for have, prefix, size in sorted((pool.count(p, n), p, n) for p, n in self.want.items()):
+        # the fewest first: the next put's files before the one after's; at equal counts
+        # shard buffers before parity (a put stages its shards first, parity is taken once
+        # every shard of the step is staged)
+        for have, _, prefix, size in sorted(
+            (pool.count(p, n), p == "p", p, n) for p, n in self.want.items()
+        ):
             if have >= self.target:
                 with pool.lock:
                     unfinished = [n for n in pool.partial if n.startswith(prefix)]

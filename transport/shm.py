@@ -113,6 +113,19 @@ class MappedFile:
             return False
         return (st.st_dev, st.st_ino) == self._inode
 
+    def follow(self, path: str | os.PathLike[str], size: int) -> None:
+        """The file was renamed to ``path`` and will be cut to ``size`` bytes (at most its
+        mapped size): the view narrows to them, the mapping stays (its pages already mapped).
+
+        Nothing may touch the bytes past ``size`` from now on, so the file can be cut later
+        (``ftruncate``) while this and other mappings of its first ``size`` bytes live on.
+        """
+        if size > self.size:
+            raise ValueError(f"{self.path} maps {self.size} bytes; cannot widen to {size}")
+        self.path = Path(path)
+        self.size = size
+        self.array = self.array[:size]
+
     def close(self) -> None:
         with self._lock:
             m, self._mmap = self._mmap, None

@@ -114,3 +114,16 @@ def test_copies_report_their_cpu_time_from_every_thread() -> None:
     assert np.array_equal(dst, src)
     assert 0 < seconds <= used + 0.01
     assert seconds > 0.5 * used  # the pool threads' time is counted, not the caller's alone
+
+
+def test_flush_shows_a_running_phase_before_it_ends() -> None:
+    """The warmer's thread is in ``warm`` for its whole life: it flushes between pieces."""
+    clock = Clock()
+    with clock.phase("warm"):
+        _burn(0.05)
+        clock.flush()
+        seen = clock.totals()["warm"]
+        assert seen >= 0.04
+        _burn(0.05)
+    assert clock.totals()["warm"] == pytest.approx(0.1, abs=0.03)  # charged once, not twice
+    clock.flush()  # no phase running: nothing to do

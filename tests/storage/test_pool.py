@@ -10,6 +10,7 @@ import pytest
 
 from storage.errors import CapacityError
 from storage.pool import RESERVE, Pool
+from transport import shm
 
 
 @pytest.fixture
@@ -122,15 +123,36 @@ def test_a_reserve_file_turns_into_the_file_a_take_needs(host_dir: Path) -> None
     big = pool.make(4 << 20, RESERVE, _never_pause)
     small = pool.make(1 << 20, RESERVE, _never_pause)
     assert big is not None and small is not None
-    shard = pool.take(3 << 20, "r0-")  # cut from the 4 MiB one: nothing faulted in
-    assert shard.name.startswith("r0-") and shard.size == 3 << 20
-    assert not pool.path(big.name).exists() and pool.path(shard.name).stat().st_size == 3 << 20
+    shard = pool.take(3 << 20, "r0-")  # from the 4 MiB one: nothing faulted in, nothing cut yet
+    assert shard.name.startswith("r0-") and shard.size == 3 << 20 and shard.file is big.file
+    assert not pool.path(big.name).exists() and pool.path(shard.name).stat().st_size == 4 << 20
     assert pool.fresh_bytes == 0 and pool.reserve_wasted == 1 << 20
+    assert pool.uncut == {shard.name: 1 << 20} and pool.used == 5 << 20  # the tail counts
     parity = pool.take(2 << 20, "p")  # grown from the 1 MiB one: 1 MiB faulted in
     assert pool.path(parity.name).parent.name == "parity" and parity.size == 2 << 20
     assert pool.fresh_bytes == 1 << 20 and pool.reserve_used == (3 << 20) + (1 << 20)
     parity.file.array[:] = 1
-    assert pool.used == 5 << 20 and pool.counters()["reserve_free_bytes"] == 0
+    assert pool.used == 6 << 20 and pool.counters()["reserve_free_bytes"] == 0
+    # a trainer maps the shard and writes it; the cut (idle time) leaves both views whole
+    trainer = shm.MappedFile(pool.path(shard.name), shard.size, populate=True)
+    trainer.array[:] = 5
+    assert pool.cut() == 1 << 20 and pool.uncut == {} and pool.used == 5 << 20
+    assert pool.path(shard.name).stat().st_size == 3 << 20
+    trainer.array[-1] = 6
+    assert int(shard.file.array[0]) == 5 and int(shard.file.array[-1]) == 6
+    trainer.close()
+
+
+def test_a_take_over_the_budget_cuts_the_tails_of_converted_reserve_files_first(
+    host_dir: Path,
+) -> None:
+    pool = Pool(host_dir, budget=6 << 20)
+    assert pool.make(5 << 20, RESERVE, _never_pause) is not None
+    shard = pool.take(2 << 20, "r0-")  # the 3 MiB tail is still held: 5 MiB used
+    assert pool.used == 5 << 20
+    parity = pool.take(3 << 20, "p")  # fits once the tail is cut
+    assert parity.size == 3 << 20 and pool.uncut == {} and pool.used == 5 << 20
+    assert pool.path(shard.name).stat().st_size == 2 << 20
 
 
 def test_files_made_ahead_obey_the_budget_and_give_way_to_takes(host_dir: Path) -> None:
