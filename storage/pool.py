@@ -7,8 +7,8 @@ against the host's budget; free files are dropped before a request is refused.
 
 Files can also be made ahead of need (:meth:`Pool.make`, called by :mod:`storage.warm` when the
 host is idle): a free file of a size a prefix will ask for, or a *reserve* file (prefix ``v``) of
-no purpose yet, which :meth:`Pool.take` turns into the file it needs (renamed, then cut or
-grown), so that only the difference in size is faulted in then.
+no purpose yet, which :meth:`Pool.take` turns into the file it needs (renamed, then grown, or
+cut later when it is larger), so that only the difference in size is faulted in then.
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ class Pool:
                 "pool_ahead_bytes": self.ahead_bytes,
                 "reserve_used_bytes": self.reserve_used,
                 "reserve_wasted_bytes": self.reserve_wasted,
+                "reserve_uncut_bytes": sum(self.uncut.values()),
                 "reserve_free_bytes": sum(
                     self.files[n].size for n in self.free if n.startswith(RESERVE)
                 ),

@@ -12,8 +12,9 @@ staged, no step staging, ready or encoding: live work always goes first):
   what steady state holds;
 - ``--reserve BYTES``, made at start while nothing is known: reserve files of sizes halving from
   BYTES/2 down to 8 MiB, which :meth:`storage.pool.Pool.take` turns into the files it needs
-  (renamed and cut or grown: only the difference in size is faulted in then). A reserve file no
-  take has used yet is turned into a wanted file when that costs fewer fresh pages than a new one.
+  (renamed and grown, or cut here later: only the difference in size is faulted in then). A
+  reserve file no take has used yet is turned into a wanted file when that costs fewer fresh
+  pages than a new one.
 
 Who calls it: the daemon starts it after adoption and closes it. It learns the sizes from the
 catalog (the newest step with shards here) and owns its thread and the ``want`` table; it takes

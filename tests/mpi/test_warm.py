@@ -92,6 +92,13 @@ def test_reserve_serves_the_first_put_and_outlives_a_restart(shm_root: Path) -> 
             )
             left = [s["reserve_free_bytes"] for s in _stats(stores)]
             assert all(left), left
+            # the files taken from larger reserve files kept their tails through the put; the
+            # host, idle now, has cut them (their pages went back)
+            assert any(s["reserve_wasted_bytes"] for s in stats), stats
+            _until(
+                "the reserve tails cut",
+                lambda: all(s["reserve_uncut_bytes"] == 0 for s in _stats(stores)),
+            )
         first.kill()  # a crash: the next daemons find the reserve files the last ones made
     again_cluster = first.relaunch()
     try:
