@@ -147,8 +147,8 @@ class Warmer:
             if self.reserve:
                 self._make_reserve()
             while not self._stop:
-                if self.host.pool.uncut and self._pause():
-                    self.host.pool.cut()  # the tails of reserve files the first puts took
+                if h.pool.uncut and self._pause():
+                    h.pool.cut()  # the tails of reserve files the first puts took
                 self.learn()
                 if not self._make_wanted():
                     with h.cond:
