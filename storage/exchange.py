@@ -111,6 +111,13 @@ class Exchange:
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
         nap = None if h.spin else NET_NAP
+        # Between virtual hosts a data chunk is copied into a private row and sent from there:
+        # MPICH's shared-memory path sends from a shard's /dev/shm mapping at 2.6x the CPU of
+        # private memory, and the copy and its send together cost less (256 MiB each way between
+        # two ranks, CPU of both: 0.154 s sent from the mapping, 0.135 s copied first, 0.059 s
+        # private; bench/transfer_floor.py --source shm|shm-copied|private). Over TCP the
+        # kernel copies either way and the source makes no difference, so the copy is not made.
+        copy_first = h.spin
         clock = h.cpu
         t_encode = 0.0
 
@@ -140,15 +147,11 @@ class Exchange:
                     if layout.data_position(s, j) == pos:
                         c = layout.data_chunk(s, j)
                         if c is not None:
-                            view = h.chunk_view(rec, c)
-                            row = outbox[s - w0, : view.nbytes]
-                            # A copy kept: MPICH sends from a shard's /dev/shm mapping at 2.6x
-                            # the CPU of private memory, and this copy and its send together
-                            # cost less (256 MiB each way between two ranks, CPU of both: 0.154 s
-                            # sent from the mapping, 0.135 s copied first, 0.059 s private;
-                            # bench/transfer_floor.py --source shm|shm-copied|private)
-                            with clock.phase("send"):
-                                row[:] = view
+                            row = h.chunk_view(rec, c)
+                            if copy_first:
+                                with clock.phase("send"):
+                                    outbox[s - w0, : row.nbytes] = row
+                                row = outbox[s - w0, : row.nbytes]
                             for to in ppos if replicate else (encoder,):
                                 data_reqs += links.isend(row, rank_at[to], TAG_DATA)
                 if replicate:
