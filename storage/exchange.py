@@ -38,14 +38,15 @@ class Exchange:
         self._crc_pool.shutdown(wait=True)
 
     def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any, Any]]:
-        """The two half windows' rows: data in, parity out, data out (see :meth:`run`)."""
+        """The two half windows' rows: data in, parity out, data out (see :meth:`run`; data
+        out only between virtual hosts, None otherwise)."""
         h = self.host
         window = max(1, h.config.window // 2)
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
                 h.scratch(f"out{i}", window * max(m - 1, 1) + 1, cb),
-                h.scratch(f"send{i}", window, cb),
+                h.scratch(f"send{i}", window, cb) if h.spin else None,
             )
             for i in range(2)
         ]
@@ -117,7 +118,7 @@ class Exchange:
         # two ranks, CPU of both: 0.154 s sent from the mapping, 0.135 s copied first, 0.059 s
         # private; bench/transfer_floor.py --source shm|shm-copied|private). Over TCP the
         # kernel copies either way and the source makes no difference, so the copy is not made.
-        copy_first = h.spin
+        copy_first = h.spin  # (the rows it needs are made only then)
         clock = h.cpu
         t_encode = 0.0
 
