@@ -182,6 +182,28 @@ def size_label(nbytes: int) -> str:
     return str(nbytes)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(stolen, all) ticks of every core so far, from /proc/stat; (0, 0) where it is missing.
+
+    Stolen time is what the hypervisor gave another guest while this VM's cores had work: a
+    benchmark records its share over its measured part, since it slows that part by as much
+    and varies from hour to hour (24 % in one 10 s window here, none in others).
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return steal, sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the cores' time stolen between two :func:`cpu_ticks` (0 when unknown)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM (``timeout``, a CI cancel) into SystemExit so ``finally`` blocks stop the
     daemons a benchmark started; Python's default would kill it on the spot and leak them."""

@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from bench._common import Recorder, add_put_cpu, record_cpu, table
+from bench._common import Recorder, add_put_cpu, cpu_ticks, record_cpu, steal_share, table
 from bench._ranks import Workers
 from bench.lab import Lab, LabJob, janitor
 
@@ -97,6 +97,7 @@ def _phase(
     med: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}  # CPU seconds per protected GB, by phase
+    steal: list[float] = []  # the share of the cores stolen by the hypervisor, each measured put
     try:
         workers = Workers(job, None, nbytes, ntensors, n, places=places)
         blob = max(r["nbytes"] for r in workers.ready)
@@ -107,7 +108,9 @@ def _phase(
                 print(f"{label}: hosts idle {idle:.1f}s after the warm-up puts", file=sys.stderr)
             info0 = workers.all({"op": "info"})
             link0 = lab.link_bytes()
+            ticks0 = cpu_ticks()
             puts = workers.all({"op": "put", "step": step})
+            ticks1 = cpu_ticks()
             link1 = lab.link_bytes()
             info1 = workers.all({"op": "info"})
             if r == 0:
@@ -118,6 +121,7 @@ def _phase(
             if r >= warmup:
                 add_put_cpu(cpu, info0, info1, puts, sum(w["nbytes"] for w in workers.ready))
                 samples.setdefault("put_protected", []).append(t)
+                steal.append(steal_share(ticks0, ticks1))
                 samples.setdefault("put_busiest_link_bytes", []).append(_busiest(link0, link1))
                 for i in range(n):
                     samples.setdefault("put_link_from_host_bytes", []).append(
@@ -126,7 +130,11 @@ def _phase(
                     samples.setdefault("put_metrics_sent_bytes", []).append(
                         info1[i]["sent_bytes"] - info0[i]["sent_bytes"]
                     )
-            print(f"{label} put {step}: protected in {t:.3f}s", file=sys.stderr)
+            print(
+                f"{label} put {step}: protected in {t:.3f}s "
+                f"({steal_share(ticks0, ticks1):.0%} of the cores stolen)",
+                file=sys.stderr,
+            )
         last = warmup + repeats
         for i in range(losses):
             lost = 1 + i % (n - 1)
@@ -177,6 +185,7 @@ def _phase(
         floor_put = blob * (1 + (m - 1) / k) / rate
         floor_rebuild = med.get("rebuild_lost_bytes", 0) / rate
         med["put_floor"] = floor_put
+        med["steal"] = statistics.median(steal) if steal else 0.0
         med["rebuild_floor"] = floor_rebuild
         times = {n: v for n, v in samples.items() if not n.endswith("_bytes")}
         rec.times({f"{label}_{n}": v for n, v in times.items()}, scheme=label, k=k, m=m)
@@ -190,6 +199,7 @@ def _phase(
             unit="bytes",
             blob_bytes=blob,
             put_floor_s=floor_put,
+            put_steal_share=statistics.median(steal) if steal else None,
             rebuild_floor_s=floor_rebuild,
             **{n: med[n] for n in samples if n.endswith("_bytes")},
         )
@@ -242,6 +252,7 @@ def run(
                 / max(med.get("rebuild_lost_bytes", 1), 1),
                 med["put_link_from_host_bytes"] / max(med["put_metrics_sent_bytes"], 1),
                 med["cpu_per_gb"],
+                f"{med['steal']:.0%}",
             )
         )
     print(
@@ -257,6 +268,7 @@ def run(
                 "into/lost",
                 "link/metrics",
                 "CPU s/GB",
+                "stolen",
             ],
         )
     )

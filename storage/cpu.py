@@ -16,7 +16,7 @@ The phases (``ecsnap_cpu_seconds_total{phase}``):
 - ``encode``: ISA-L encoding (``repair``'s decoding is under ``repair``);
 - ``receive``, ``send``: bulk bytes over MPI (a wait while this daemon's receives are
   outstanding, then while only its sends are), with any spinning while they move; ``send`` also
-  holds the copy into the send rows;
+  holds the copy into the send rows (between virtual hosts: see :mod:`storage.exchange`);
 - ``exchange``: the rest of an exchange: posting transfers, the window bookkeeping;
 - ``polling``: waiting for the other daemons in a round's collectives;
 - ``rounds``: the round engine's own work (events, ballots, the catalog, manifests);
