@@ -177,6 +177,12 @@ class Exchange:
         for wi, w0 in enumerate(starts):
             data_reqs, parity_reqs, mine_to_encode = posted
             data_scratch, out_scratch, _ = sets[wi % 2]
+            if wi + 1 < len(starts):
+                # The next window's data is posted before this one's is waited for (its rows
+                # were freed by window wi - 1), so both move at once: a window ends when its
+                # slowest pair does, and a link whose own part ended early carries the next
+                # window's bytes meanwhile instead of idling until every pair has finished.
+                posted = post(starts[wi + 1])
             links.wait(
                 data_reqs,
                 f"data exchange of step {rec.step}",
@@ -184,8 +190,6 @@ class Exchange:
                 nap=nap,
                 transfer=True,
             )
-            if wi + 1 < len(starts):
-                posted = post(starts[wi + 1])  # its rows were freed by window wi - 1
             for s in mine_to_encode:
                 row0 = (s - w0) * k
                 outs = [parity_row(s)]
