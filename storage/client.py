@@ -309,7 +309,12 @@ class Store:
         if last is not None:
             # what changed is known once the leaves are hashed: the buffer is allocated then
             # a bad put still raises here, and so does one whose certain bytes exceed the budget
-            self._request(dict(request, nbytes=last.certain(leaves), dry=True))
+            certain = last.certain(leaves)
+            dry = dict(request, nbytes=certain, dry=True)
+            likely = last.likely_base(nbytes - certain)
+            if likely is not None:  # kept on every host while this put hashes
+                dry.update(base=likely, base_table=last.table_of(likely))
+            self._request(dry)
             handle.cpu_leaves = True
             self._last_put = handle
             self._bg.submit(self._stage, handle, leaves, None, meta, last)

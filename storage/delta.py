@@ -81,6 +81,12 @@ class Kept:
                 out += leaf.nbytes
         return out
 
+    def likely_base(self, maybe: int) -> int | None:
+        """The base a put against this one will most likely refer to, if ``maybe`` bytes of it
+        may be unchanged: this put's own base, if they could fill half of it (see :func:`plan`).
+        Its dry alloc asks the daemons to keep it, so the round that does is off the put's path."""
+        return self.base if self.in_base and 2 * maybe >= self.base_bytes else None
+
     def written(self, i: int, now: tuple[int, int] | None) -> bool:
         """Leaf ``i``, marked ``now``, was written in place since this put: the same storage,
         its version counter moved."""

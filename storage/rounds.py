@@ -161,9 +161,15 @@ class Rounds:
                         h.pool.release(ev.shard.buffer)
                 elif rec is None or rec.state == StepState.LOST:
                     ballot.raise_job(Ballot.NEW_STEP_NEG, -step)  # a lane, please
+            for step in list(h.wanted):  # allocated here, being staged: a lane, please
+                rec = cat.steps.get(step)
+                if rec is None or rec.state == StepState.LOST:
+                    ballot.raise_job(Ballot.NEW_STEP_NEG, -step)
+                else:
+                    h.wanted.discard(step)
             ballot.add_job(Ballot.RARE, len(rare_out))
             ballot.add_job(Ballot.GROUP, len(group_out))
-            busy = bool(events) or bool(self.waiting)
+            busy = bool(events) or bool(self.waiting) or bool(h.wanted)
             ballot.add_job(Ballot.BUSY, int(busy))
             ballot.raise_job(Ballot.STOP, int(h.stopping))
             upto = self.tier.written_through()

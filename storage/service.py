@@ -116,6 +116,9 @@ class Service:
                     h.pool.release(name)
                 if key in h.catalog.pins:
                     h.events.append(Unpin(*key))
+            for key in [k for k, (_, c) in h.early_pins.items() if c == id(conn)]:
+                del h.early_pins[key]
+                h.events.append(Unpin(*key))  # asked for by a dry alloc, never allocated
 
     def _count(self, exc: StorageError) -> None:
         h = self.host
@@ -172,6 +175,14 @@ class Service:
             if msg.get("dry"):
                 # checked only: the put allocates once it knows what changed, at least nbytes
                 h.pool.check(nbytes, reserve)
+                self._want(step)
+                # the base the trainer expects to refer to, kept while it hashes: the round that
+                # keeps it is then off the put's path (its alloc checks it is the one)
+                base = msg.get("base")
+                if base is not None and self._pin(
+                    step, rank, base, msg.get("base_table", ""), wait=False
+                ):
+                    h.early_pins[(step, rank)] = (base, conn)
                 return {}
             h.pending[(step, rank)] = ""
         try:
@@ -185,8 +196,13 @@ class Service:
             h.pending[(step, rank)] = buf.name
             h.pending_conn[(step, rank)] = conn
             h.t_alloc[(step, rank)] = time.monotonic()
+            early = h.early_pins.pop((step, rank), None)
+        self._want(step)
         base = msg.get("base")
-        if base is not None and not self._pin(step, rank, base, msg.get("base_table", "")):
+        asked = early is not None and early[0] == base
+        if base is not None and not self._pin(
+            step, rank, base, msg.get("base_table", ""), asked=asked
+        ):
             base = None
         return {
             "buffer": buf.name,
@@ -195,11 +211,22 @@ class Service:
             "base": base,
         }
 
-    def _pin(self, step: int, rank: int, base: int, table: str) -> bool:
+    def _want(self, step: int) -> None:
+        """The step gets its lane in the next round, while its shard is still being staged
+        (hashed, copied) instead of a round after it was: a put's first round is off its path."""
+        h = self.host
+        with h.lock:
+            h.wanted.add(step)
+        h.wake.set()
+
+    def _pin(
+        self, step: int, rank: int, base: int, table: str, wait: bool = True, asked: bool = False
+    ) -> bool:
         """Keep ``base`` for a put of ``step`` that refers to it, on every host of the group
         alike (one round); False if it is gone already, or is not the shard the trainer put
         (its table's digest differs: deleted and put again by another process): the rank then
-        puts its whole shard."""
+        puts its whole shard. ``asked``: the put's dry alloc asked for this base already (its
+        round is under way or done); without ``wait``, the round is not waited for."""
         h = self.host
         key = (step, rank)
         with h.lock:
@@ -210,10 +237,14 @@ class Service:
             off, length = shard.table
             if digest(h.pool.get(shard.buffer).file.array[off : off + length]) != table:
                 return False
-            h.catalog.pin_refused.discard(key)
-        h.emit(Pin(step, rank, base))
+            if not asked:
+                h.catalog.pin_refused.discard(key)
+        if not asked:
+            h.emit(Pin(step, rank, base))  # (it replaces a pin of another base the dry one made)
+        if not wait:
+            return True
         h.wait_for(
-            lambda: key in h.catalog.pins or key in h.catalog.pin_refused,
+            lambda: h.catalog.pins.get(key) == base or key in h.catalog.pin_refused,
             h.config.peer_timeout,
             f"keeping step {base} for step {step} rank {rank}",
         )
@@ -261,7 +292,8 @@ class Service:
         with h.lock:
             name = h.pending.pop((step, rank), None)
             h.pending_conn.pop((step, rank), None)
-            pinned = (step, rank) in h.catalog.pins
+            early = h.early_pins.pop((step, rank), None)
+            pinned = (step, rank) in h.catalog.pins or early is not None
         h.pool.release(name or None)
         if pinned:
             h.emit(Unpin(step, rank))

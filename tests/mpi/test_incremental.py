@@ -242,3 +242,48 @@ def _manifests_of(root: Path, job: str, hosts: int) -> dict[str, list[str]]:
         f"host{h}": sorted(p.name for p in (root / job / f"host{h}" / "steps").glob("*.json"))
         for h in range(hosts)
     }
+
+
+def test_a_dry_alloc_keeps_the_base_it_names_until_its_trainer_goes(shm_root: Path) -> None:
+    """A put with references names its likely base in its first request (the dry alloc, before
+    the trainer hashes), so that the round keeping the base runs while it hashes: the daemons
+    keep that base from then on, and let it go when the trainer goes away without putting."""
+    c = Cluster(shm_root, hosts=2, k=1, m=1)
+    stores: list[storage.Store] = []
+    try:
+        a, b = c.stores(1) + c.stores(1)
+        stores = [a, b]
+        x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(2))
+        a.put(1, {"w": x}).wait(60)
+        kept = a._kept[0]
+        assert kept.likely_base(x.nbytes) == 1
+        conn, _ = a._handshake()  # a trainer of its own, that goes after its dry alloc
+        try:
+            reply = conn.request(
+                {
+                    "op": "alloc",
+                    "step": 2,
+                    "rank": 0,
+                    "world_size": 1,
+                    "nbytes": 0,
+                    "dry": True,
+                    "base": 1,
+                    "base_table": kept.table_of(1),
+                }
+            )
+            assert reply is not None and reply.get("ok"), reply
+            b.delete(1)  # gone for readers, kept for the put that named it
+            assert b.steps() == []
+            assert _manifests_of(shm_root, c.job, 2) == {"host0": ["1.json"], "host1": ["1.json"]}
+        finally:
+            conn.close()
+        deadline = time.monotonic() + 30
+        while _manifests_of(shm_root, c.job, 2) != {"host0": [], "host1": []}:
+            assert time.monotonic() < deadline, "the base outlived the trainer that named it"
+            time.sleep(0.05)
+        h = a.put(2, {"w": x, "a": torch.ones(8)})  # its base is gone: the put is whole
+        h.wait(60)
+        assert h.plan.base is None and torch.equal(a.get(2)["w"], x)
+    finally:
+        close_all(stores)
+        c.stop()
