@@ -23,7 +23,7 @@ def test_busy_waits_nap_once_their_peer_is_late() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     control, transfer = out["control"], out["transfer"]
     assert control["wall"] >= 0.8 * late and transfer["wall"] >= 0.8 * late  # it did wait
-    # a round's wait spins only for its first half millisecond: then it gives the core back;
+    # a round's wait spins only for its first polls: then it naps, giving the core back;
     # so does a bulk receive once nothing has arrived for as long
     assert control["cpu"] < 0.3 * control["wall"], control
     assert transfer["cpu"] < 0.3 * transfer["wall"], transfer
