@@ -10,9 +10,11 @@ the shared base is repaired (once, for every step); the persistent tier writes e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,17 +205,28 @@ class pytest_raises_not_found:
         return True
 
 
-def test_a_base_deleted_or_put_again_is_never_misread(shm_root: Path) -> None:
-    """A step that another Store deleted and put again with other bytes is not the base the
-    trainer remembers (its table's digest differs): the next put is whole. A base deleted while a
-    later step refers to it stays for that step (pinned), gone for readers."""
-    c = Cluster(shm_root, hosts=2, k=1, m=1)
+@contextlib.contextmanager
+def _two_trainers(root: Path) -> Iterator[tuple[Cluster, storage.Store, storage.Store, Any]]:
+    """Two hosts, RS(1,1); two Stores of rank 0 (one on each host), the first having put step 1
+    (a tensor ``x`` of 1 MiB)."""
+    c = Cluster(root, hosts=2, k=1, m=1)
     stores: list[storage.Store] = []
     try:
         a, b = c.stores(1) + c.stores(1)
         stores = [a, b]
         x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
         a.put(1, {"w": x}).wait(60)
+        yield c, a, b, x
+    finally:
+        close_all(stores)
+        c.stop()
+
+
+def test_a_base_deleted_or_put_again_is_never_misread(shm_root: Path) -> None:
+    """A step that another Store deleted and put again with other bytes is not the base the
+    trainer remembers (its table's digest differs): the next put is whole. A base deleted while a
+    later step refers to it stays for that step (pinned), gone for readers."""
+    with _two_trainers(shm_root) as (c, a, b, x):
         b.delete(1)
         b.put(1, {"w": torch.randn(1 << 18)}).wait(60)  # same shape, other bytes
         h = a.put(2, {"w": x, "a": torch.ones(8)})
@@ -232,9 +245,6 @@ def test_a_base_deleted_or_put_again_is_never_misread(shm_root: Path) -> None:
         a.delete(3)  # nothing refers to step 2 any more: both go
         time.sleep(0.3)
         assert _manifests_of(shm_root, c.job, 2) == {"host0": [], "host1": []}
-    finally:
-        close_all(stores)
-        c.stop()
 
 
 def _manifests_of(root: Path, job: str, hosts: int) -> dict[str, list[str]]:
@@ -248,13 +258,7 @@ def test_a_dry_alloc_keeps_the_base_it_names_until_its_trainer_goes(shm_root: Pa
     """A put with references names its likely base in its first request (the dry alloc, before
     the trainer hashes), so that the round keeping the base runs while it hashes: the daemons
     keep that base from then on, and let it go when the trainer goes away without putting."""
-    c = Cluster(shm_root, hosts=2, k=1, m=1)
-    stores: list[storage.Store] = []
-    try:
-        a, b = c.stores(1) + c.stores(1)
-        stores = [a, b]
-        x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(2))
-        a.put(1, {"w": x}).wait(60)
+    with _two_trainers(shm_root) as (c, a, b, x):
         kept = a._kept[0]
         assert kept.likely_base(x.nbytes) == 1
         conn, _ = a._handshake()  # a trainer of its own, that goes after its dry alloc
@@ -284,6 +288,3 @@ def test_a_dry_alloc_keeps_the_base_it_names_until_its_trainer_goes(shm_root: Pa
         h = a.put(2, {"w": x, "a": torch.ones(8)})  # its base is gone: the put is whole
         h.wait(60)
         assert h.plan.base is None and torch.equal(a.get(2)["w"], x)
-    finally:
-        close_all(stores)
-        c.stop()
