@@ -153,16 +153,14 @@ class Links:
         spin: int = 0,
     ) -> None:
         """Poll ``reqs`` until done: ``spin`` polls in a row, then sleeping between polls: ``nap``
-        seconds, or ``CONTROL_NAP`` after a spin, or from ``poll`` doubling up to 2 ms (see
-        :meth:`wait`)."""
+        seconds, or from ``poll`` doubling up to ``CONTROL_NAP`` after a spin, else up to 2 ms
+        (see :meth:`wait`)."""
         from mpi4py import MPI
 
         if not reqs:
             return
         sleep = self.poll if nap is None else nap
         longest = CONTROL_NAP if spin else 0.002
-        if spin:
-            sleep = min(sleep, CONTROL_NAP)
         tries = 0
         while not MPI.Request.Testall(reqs):
             tries += 1
