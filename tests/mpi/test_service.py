@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import storage
-from bench.harness import REPO, Cluster, make_state
+from bench.harness import REPO, Cluster, make_state, same
 from storage import launch
 
 from ._trainer import trainers
@@ -59,6 +59,44 @@ def test_capacity_error_loses_nothing(shm_root: Path) -> None:
     finally:
         assert cluster.stop() == 0
     assert "memory-budget" in results[0]["message"]
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2)])
+def test_a_host_without_parity_memory_fails_the_step_and_nothing_else(
+    shm_root: Path, k: int, m: int
+) -> None:
+    """host2's pool fails its 4th take (step 2's parity; takes 1-3 are step 1's shard and
+    parity and step 2's shard): it still does its part of the exchange, with nowhere to keep
+    parity, and step 2 fails on every rank with an error that names it. Step 1 stays whole and
+    step 3 is protected by the same job. With m = 2 host2 forwards parity as an encoder too."""
+    cluster = Cluster(
+        shm_root, hosts=4, k=k, m=m, env={"ECSNAP_FAULTS": "enospc@alloc:host=host2:nth=4"}
+    )
+    try:
+        stores = cluster.stores(4)
+        states = {
+            step: [make_state(r, step, nbytes=3 << 20, tensors=4) for r in range(4)]
+            for step in (1, 2, 3)
+        }
+        for step in (1, 2, 3):
+            handles = [s.put(step, st) for s, st in zip(stores, states[step], strict=True)]
+            if step != 2:
+                assert [h.wait(60) for h in handles] == [step] * 4
+                continue
+            for h in handles:
+                with pytest.raises(storage.CapacityError, match="host host2 had no memory"):
+                    h.wait(60)
+        for step in (1, 3):
+            for r, store in enumerate(stores):
+                assert same(store.get(step), states[step][r])
+        assert stores[0].steps() == [1, 3]
+        for store in stores:
+            store.close()
+    finally:
+        assert cluster.stop() == 0, cluster.log.read_text()
+    log = cluster.log.read_text()
+    assert "ecsnap[host2] injected fault: enospc@alloc (hit 4)" in log, log
+    assert "step 2: no memory for this host's parity" in log, log
 
 
 def test_bad_input_named_errors(shm_root: Path) -> None:
