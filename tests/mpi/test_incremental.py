@@ -185,7 +185,8 @@ def test_incremental_puts_share_pin_rebuild_and_persist(shm_root: Path, tmp_path
             states[step] = {r: _state(r, step, frozen_seed=1) for r in range(WORLD)}
             handles = _put(stores, step, states[step])
         assert all(h.plan.base == 5 for h in handles)
-        time.sleep(0.5)  # the round after: manifests written and removed
+        # a put returns once every host wrote its manifest and removed those of the steps that
+        # retention dropped, and of the base they freed (the round after)
         assert all(m == ["5.json", "6.json"] for m in _manifests(shm_root, c.job).values())
         close_all(stores)
         _check(c, [5, 6], states)
@@ -243,7 +244,8 @@ def test_a_base_deleted_or_put_again_is_never_misread(shm_root: Path) -> None:
         got = a.get(3)
         assert torch.equal(got["w"], x) and torch.equal(got["a"], torch.zeros(8))
         a.delete(3)  # nothing refers to step 2 any more: both go
-        time.sleep(0.3)
+        # a delete returns once every host removed its manifests (the round after it), and the
+        # base freed in the same round went in that round's local work
         assert _manifests_of(shm_root, c.job, 2) == {"host0": [], "host1": []}
 
 
