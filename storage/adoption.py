@@ -241,7 +241,7 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         loc = h.local.setdefault(step, Local())
         loc.buffers = {r: s.buffer for r, s in rec.shards.items() if s.slot == h.slot}
         loc.parity = rec.parity.get(h.slot)
-        loc.stored = True
+        loc.prepared = loc.stored = True
         if rec.state.held:
             h.write_manifest(rec, loc)
             loc.pinned_manifest = rec.state == StepState.PINNED

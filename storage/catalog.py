@@ -9,8 +9,8 @@ group's events each round: its size grows with the group, never with the job.
 
 A step moves (see :class:`~storage.protocol.StepState`)::
 
-    STAGING --(world_size ranks staged)--> ENCODING --(every daemon stored)--> PROTECTED
-    STAGING/ENCODING --> FAILED,   PROTECTED --> LOST
+    STAGING --(world_size ranks staged)--> READY --(every daemon prepared)--> ENCODING
+    ENCODING --(every daemon stored)--> PROTECTED,   STAGING/READY --> FAILED,   PROTECTED --> LOST
     PROTECTED --(evicted or deleted while a kept step of the group refers to it)--> PINNED
 
 Pinning is the group's own: a shard whose record names a ``base`` step keeps that step's chunks
@@ -48,7 +48,8 @@ class StepRec:
     rank_sum: int = 0
     rank_sq: int = 0
     data_bytes: int = 0
-    store_failed: int = 0  # daemons that had no memory for their parity
+    prepared: int = 0
+    prep_failed: int = 0
     fail_slot: int | None = None
     stored_count: int = 0
     parity_bytes: int = 0
@@ -56,7 +57,7 @@ class StepRec:
     error: dict[str, Any] | None = None  # why it failed, as an error reply (errors.to_wire)
     lost: dict[str, Any] = field(default_factory=dict)  # why it cannot be rebuilt
     # this host's group only
-    chunk_bytes: int = 0  # the group's chunk for this step (from its blobs' size), once laid out
+    chunk_bytes: int = 0  # the group's chunk for this step (from its blobs' size), once ready
     shards: dict[int, ShardRecord] = field(default_factory=dict)  # rank -> its shard record
     stored: dict[int, dict[str, Any]] = field(default_factory=dict)  # slot -> its checksums
     parity: dict[int, str] = field(default_factory=dict)  # slot -> its parity file
@@ -215,8 +216,9 @@ class Catalog:
         rec.rank_sum += b.sum(lane, Ballot.RANK_SUM)
         rec.rank_sq += b.sum(lane, Ballot.RANK_SQ)
         rec.data_bytes += b.sum(lane, Ballot.DATA_BYTES)
+        rec.prepared += b.sum(lane, Ballot.PREPARED)
+        rec.prep_failed += b.sum(lane, Ballot.PREP_FAILED)
         rec.stored_count += b.sum(lane, Ballot.STORED)
-        rec.store_failed += b.sum(lane, Ballot.STORE_FAILED)
         rec.parity_bytes += b.sum(lane, Ballot.PARITY_BYTES)
         world, world_neg = b.max(lane, Ballot.WORLD), b.max(lane, Ballot.WORLD_NEG)
         if world is not None and world_neg is not None:
@@ -229,8 +231,8 @@ class Catalog:
             rec.fail_slot = slot if rec.fail_slot is None else min(rec.fail_slot, slot)
         if rec.state == StepState.STAGING:
             self._staging(rec)
-        if rec.state == StepState.ENCODING and rec.stored_count + rec.store_failed == self.slots:
-            if rec.store_failed:
+        if rec.state == StepState.READY and rec.prepared + rec.prep_failed == self.slots:
+            if rec.prep_failed:
                 host = self._host(rec.fail_slot)
                 rec.state = StepState.FAILED
                 rec.error = to_wire(
@@ -241,7 +243,9 @@ class Catalog:
                     )
                 )
             else:
-                rec.state = StepState.PROTECTED
+                rec.state = StepState.ENCODING
+        if rec.state == StepState.ENCODING and rec.stored_count == self.slots:
+            rec.state = StepState.PROTECTED
 
     def _staging(self, rec: StepRec) -> None:
         w = rec.world_size
@@ -266,7 +270,7 @@ class Catalog:
                 )
             else:
                 self.layout(rec)
-                rec.state = StepState.ENCODING
+                rec.state = StepState.READY
 
     def _fail(self, rec: StepRec, message: str) -> None:
         rec.state = StepState.FAILED

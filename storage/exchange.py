@@ -1,11 +1,11 @@
 """The erasure-coding exchange of one step: parity memory, data chunks to their stripes' encoders,
 encode, parity to its holders, checksums.
 
-Who calls it: the round engine, in the local work of the round in which the catalog moved a step
-to ``encoding`` (every rank staged): :meth:`Exchange.run`, which takes the parity memory first
-(:meth:`Exchange.prepare`); every daemon of a group runs it for the same step in the same round.
-What it owns: the checksum thread and the encode time counters. Lock: it takes the host's
-``lock`` only to queue its events; the bulk transfers run without it.
+Who calls it: the round engine, in the local work of a round, for every step the catalog moved to
+``ready`` (:meth:`Exchange.prepare`) or to ``encoding`` (:meth:`Exchange.run`); every daemon of a
+group runs them for the same step in the same round. What it owns: the checksum thread and the
+encode time counters. Lock: it takes the host's ``lock`` only to queue its events; the bulk
+transfers run without it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from storage.catalog import StepRec
 from storage.cpu import charged
 from storage.errors import CapacityError
 from storage.host import Host, Local
-from storage.protocol import Stored
+from storage.protocol import Prepared, Stored
 
 __all__ = ["TAG_DATA", "TAG_PARITY", "Exchange"]
 
@@ -56,27 +56,29 @@ class Exchange:
         g = self.host.group
         self.scratch(g.k, g.m, self.host.chunk_bytes)
 
-    def prepare(self, rec: StepRec, loc: Local) -> bool:
-        """Take parity memory and start checksumming this host's data chunks; False if there is
-        no memory for the parity (:meth:`run` then moves the bytes and keeps none).
+    def prepare(self, rec: StepRec, loc: Local) -> None:
+        """Reserve parity memory, start checksumming this host's data chunks; report next round.
 
         The checksums run on a helper thread (ISA-L's CRC drops the GIL) while the exchange moves
         the same bytes; ``stored`` waits for them.
         """
         h = self.host
+        loc.prepared = True
         loc.t["ready"] = time.monotonic()
         layout, pos = h.my_layout(rec)
         nparity = len(layout.parity_stripes[pos])
+        ok = True
         try:
             buf = h.pool.take(nparity * rec.chunk_bytes, "p")
+            loc.parity = buf.name
         except CapacityError as exc:
+            ok = False
             h.log(f"step {rec.step}: no memory for this host's parity: {exc}")
-            return False
-        loc.parity = buf.name
-        views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
-        loc.crc_job = self._crc_pool.submit(self._checksums, views)
+        if ok:
+            views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
+            loc.crc_job = self._crc_pool.submit(self._checksums, views)
         loc.t["prepared"] = time.monotonic()
-        return True
+        h.emit(Prepared(rec.step, ok))
 
     @charged("checksum")
     def _checksums(self, views: list[np.ndarray[Any, Any]]) -> list[int]:
@@ -84,8 +86,7 @@ class Exchange:
 
     @charged("exchange")
     def run(self, rec: StepRec, loc: Local) -> None:
-        """Take the parity memory (:meth:`prepare`); send data chunks to their stripes'
-        encoders, encode, forward parity, window by window.
+        """Send data chunks to their stripes' encoders, encode, forward parity, window by window.
 
         Every daemon of the group runs this in the same round, over the group's links (group rank
         = position). Pairs of daemons post their messages in stripe order, so MPI's non-overtaking
@@ -93,9 +94,6 @@ class Exchange:
         """
         h = self.host
         loc.stored = True
-        if not self.prepare(rec, loc):
-            self._stand_in(rec, loc)
-            return
         loc.t["exchange"] = time.monotonic()
         h.phase("encoding")
         g = h.group
@@ -243,60 +241,3 @@ class Exchange:
                 n * cb if parity is not None else 0,
             )
         )
-
-    def _stand_in(self, rec: StepRec, loc: Local) -> None:
-        """This host's part of the exchange without memory for its parity, so that the others'
-        transfers complete: its data chunks go to their encoders as always; what it would keep
-        (parity, copies) is received window by window into the exchange's rows and dropped;
-        parity it would forward goes out as zeros. Then ``stored``, not ok: the step fails in
-        the next round, on every host alike.
-
-        Its data sends are posted first; then each window's receives are posted together, in
-        stripe order, as its peers post theirs (a receive posted only once the one before it
-        was done held a peer's send, and the peer waited for that send before sending what the
-        earlier receive waited for).
-        """
-        h = self.host
-        g = h.group
-        layout, pos = h.my_layout(rec)
-        k, m, cb = g.k, g.m, rec.chunk_bytes
-        links = h.gl
-        nap = None if h.spin else NET_NAP
-        blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
-        window = max(1, h.config.window // 2)
-        rows, out, _ = self.scratch(k, m, cb)[0]
-        zeros = h.scratch("zeros", 1, cb)[0]
-        zeros[:] = 0
-        what = f"exchange of step {rec.step} (no memory for this host's parity)"
-        sends: list[Any] = []
-        for s in range(layout.stripes):
-            ppos = layout.parity_positions(s)
-            for j in range(k):
-                c = layout.data_chunk(s, j)
-                if layout.data_position(s, j) == pos and c is not None:
-                    row = h.chunk_view(rec, c)
-                    for to in ppos if k == 1 else ppos[:1]:
-                        sends += links.isend(row, to, TAG_DATA)
-        for w0 in range(0, layout.stripes, window):
-            receives: list[Any] = []
-            forward: list[list[int]] = []
-            for s in range(w0, min(w0 + window, layout.stripes)):
-                ppos = layout.parity_positions(s)
-                if pos not in ppos:
-                    continue
-                if k == 1 or ppos[0] == pos:  # a copy holder, or the stripe's encoder
-                    for j in range(k):
-                        dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
-                        if c is not None:
-                            dst = rows[(s - w0) * k + j, : blobs[dpos].chunks[c].length]
-                            receives += links.irecv(dst, dpos, TAG_DATA)
-                    if k > 1:
-                        forward.append(ppos[1:])
-                else:
-                    receives += links.irecv(out[s - w0], ppos[0], TAG_PARITY)
-            links.wait(receives, what, busy=h.spin, nap=nap, transfer=True)
-            for holders in forward:
-                for to in holders:
-                    sends += links.isend(zeros, to, TAG_PARITY)
-        links.wait(sends, what, busy=h.spin, nap=nap, transfer=True)
-        h.emit(Stored(rec.step, None, {}, 0, ok=False))

@@ -68,6 +68,7 @@ class Local:
 
     buffers: dict[int, str] = field(default_factory=dict)  # rank -> buffer name (my shards)
     parity: str | None = None
+    prepared: bool = False
     stored: bool = False
     manifest: bool = False
     pinned_manifest: bool = False  # the manifest says the step is pinned

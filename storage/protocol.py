@@ -8,7 +8,7 @@ A round carries three kinds of traffic (see :mod:`storage.rounds`):
 
 - a :class:`Ballot` per daemon, reduced over the whole job (sums and maxima of a fixed-size
   vector of int64, whatever the number of hosts, ranks or tensors): per in-flight step lane, the
-  ranks staged, the daemons stored (or not, for want of memory); and a few job-wide fields;
+  ranks staged, the daemons prepared and stored; and a few job-wide fields;
 - the group's events (:data:`GROUP_EVENTS`), gathered within the group of k+m hosts only, in a
   round where some group has any (the ballot counts them): the shard records and checksums a
   group needs to encode and rebuild its members' blobs;
@@ -41,6 +41,7 @@ __all__ = [
     "Offer",
     "PersistFailed",
     "Pin",
+    "Prepared",
     "Repair",
     "Repaired",
     "RequestError",
@@ -58,9 +59,9 @@ __all__ = [
 class StepState(str, enum.Enum):
     """Where a step stands. Only ``PROTECTED`` steps are visible to readers::
 
-    STAGING --(all world_size shards staged)--> ENCODING --(every daemon stored)--> PROTECTED
-    STAGING --(ranks that disagree)--> FAILED
-    ENCODING --(a daemon had no memory for its parity)--> FAILED
+    STAGING --(all world_size shards staged)--> READY --(every daemon prepared)--> ENCODING
+    ENCODING --(every daemon stored its parity)--> PROTECTED
+    STAGING or READY --(a daemon could not prepare; ranks that disagree)--> FAILED
     PROTECTED --(more than m chunks of a stripe lost)--> LOST
     PROTECTED --(retention or a delete, while a kept step of the group refers to it)--> PINNED
 
@@ -69,6 +70,7 @@ class StepState(str, enum.Enum):
     """
 
     STAGING = "staging"
+    READY = "ready"
     ENCODING = "encoding"
     PROTECTED = "protected"
     FAILED = "failed"
@@ -80,7 +82,7 @@ class StepState(str, enum.Enum):
 
     @property
     def in_flight(self) -> bool:
-        return self in (StepState.STAGING, StepState.ENCODING)
+        return self in (StepState.STAGING, StepState.READY, StepState.ENCODING)
 
     @property
     def held(self) -> bool:
@@ -90,7 +92,7 @@ class StepState(str, enum.Enum):
 
 # -- the ballot ------------------------------------------------------------------------------------
 
-LANES = 16  # steps in flight at once (staging or encoding), job-wide
+LANES = 16  # steps in flight at once (staging, ready or encoding), job-wide
 NONE = np.iinfo(np.int64).min  # "no value" in a maximum
 
 
@@ -101,10 +103,10 @@ class Ballot:
     Per lane (an in-flight step, numbered the same on every daemon):
 
     - sums: ranks newly staged here, the sum of their ranks and of their squares (so that a rank
-      counted twice, on two hosts, shows), their bytes; daemons that stored their part of the
-      exchange, and those that did it without memory for their parity; parity bytes stored;
+      counted twice, on two hosts, shows), their bytes; daemons that prepared, that failed to
+      prepare, that stored their parity; parity bytes stored;
     - maxima: the world size given (and its negation: the smallest), the negated lowest slot
-      that had no memory for its parity.
+      that failed to prepare.
 
     Job-wide: rare events waiting, group events waiting (in some group: then every group gathers
     its own), work waiting (sums); stop asked, the lowest new step wanting a lane (the max of
@@ -112,8 +114,8 @@ class Ballot:
     """
 
     # per-lane sums
-    STAGED, RANK_SUM, RANK_SQ, DATA_BYTES, STORED, STORE_FAILED, PARITY_BYTES = range(7)
-    LANE_SUMS = 7
+    STAGED, RANK_SUM, RANK_SQ, DATA_BYTES, PREPARED, PREP_FAILED, STORED, PARITY_BYTES = range(8)
+    LANE_SUMS = 8
     # per-lane maxima
     WORLD, WORLD_NEG, FAIL_SLOT_NEG = range(3)
     LANE_MAXIMA = 3
@@ -226,17 +228,23 @@ class Staged(Event):
 
 
 @dataclass(frozen=True)
+class Prepared(Event):
+    """This daemon took its parity memory for the step, or could not (ballot only)."""
+
+    kind: ClassVar[str] = "prepared"
+    step: int
+    ok: bool
+
+
+@dataclass(frozen=True)
 class Stored(Event):
-    """This daemon's part of the exchange is done (ballot: counted; group: names, checksums).
-    Not ``ok``: it had no memory for its parity, so it moved the bytes but kept none, and the
-    step fails (ballot only)."""
+    """This daemon's part of the exchange is done (ballot: counted; group: names, checksums)."""
 
     kind: ClassVar[str] = "stored"
     step: int
     parity: str | None
     crc: dict[str, list[int]]
     parity_bytes: int
-    ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -338,6 +346,7 @@ _KINDS: dict[str, type[Event]] = {
     c.kind: c
     for c in (
         Staged,
+        Prepared,
         Stored,
         Pin,
         Unpin,

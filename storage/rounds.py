@@ -13,7 +13,7 @@ thread that drives MPI. Each round every daemon
 3. applies them, the same on every daemon: the group's events and the ballot to the
    :class:`~storage.catalog.Catalog` (so every daemon takes the same decisions without a leader),
    rare events to the modules they are for, a lane to the lowest new step;
-4. does the round's local work: the exchange of steps every rank has staged
+4. does the round's local work: prepare ready steps and run the exchange of encoding ones
    (:mod:`storage.exchange`), repairs (:mod:`storage.repair`), fetches (:mod:`storage.fetch`),
    the manifests of newly protected steps, and the files of steps that retention or a delete
    dropped.
@@ -41,6 +41,7 @@ from storage.protocol import (
     Offer,
     PersistFailed,
     Pin,
+    Prepared,
     Repair,
     Repaired,
     ShardRecord,
@@ -81,7 +82,7 @@ class Rounds:
         while True:
             ballot, group_out, rare_out, busy = self._collect()
             # A round right after one that moved anything polls instead of napping: the next
-            # steps of a put (its records gathered, encode, protect) follow round after
+            # steps of a put (its records gathered, prepare, encode, protect) follow round after
             # round, and a napping wait costs each of them milliseconds (measured: a put of a
             # few kB took 50 ms, 20 of them in the one napping round that gathered its records).
             busy = busy or hot
@@ -123,15 +124,18 @@ class Rounds:
             for ev in events:
                 if isinstance(ev, Staged):
                     self.waiting.setdefault(ev.step, []).append(ev)
+                elif isinstance(ev, Prepared):
+                    lane = cat.lane_of(ev.step)
+                    if lane is not None:
+                        ballot.add(lane, Ballot.PREPARED if ev.ok else Ballot.PREP_FAILED, 1)
+                        if not ev.ok:
+                            ballot.raise_to(lane, Ballot.FAIL_SLOT_NEG, -h.slot)
                 elif isinstance(ev, Stored):
                     lane = cat.lane_of(ev.step)
-                    if lane is not None and ev.ok:
+                    if lane is not None:
                         ballot.add(lane, Ballot.STORED, 1)
                         ballot.add(lane, Ballot.PARITY_BYTES, ev.parity_bytes)
                         group_out.append(ev.to_json())
-                    elif lane is not None:
-                        ballot.add(lane, Ballot.STORE_FAILED, 1)
-                        ballot.raise_to(lane, Ballot.FAIL_SLOT_NEG, -h.slot)
                 elif isinstance(ev, (Pin, Unpin)):
                     group_out.append(ev.to_json())
                 else:
@@ -147,7 +151,11 @@ class Rounds:
                             self._count(ballot, rec.lane, ev)
                             counted.add(ev.shard.rank)
                         group_out.append(ev.to_json())
-                elif rec is not None and rec.state in (StepState.ENCODING, StepState.PROTECTED):
+                elif rec is not None and rec.state in (
+                    StepState.READY,
+                    StepState.ENCODING,
+                    StepState.PROTECTED,
+                ):
                     # every rank had staged it already: this late shard is not part of it
                     for ev in self.waiting.pop(step):
                         h.pool.release(ev.shard.buffer)
@@ -275,7 +283,10 @@ class Rounds:
                 or bool(self.waiting)
                 or bool(self.repairer.deferred)
                 or self.fetcher.busy()
-                or any(r.state == StepState.ENCODING for r in h.catalog.steps.values())
+                or any(
+                    r.state in (StepState.READY, StepState.ENCODING)
+                    for r in h.catalog.steps.values()
+                )
             )
 
     def advance(self) -> None:
@@ -283,11 +294,9 @@ class Rounds:
         h = self.host
         for rec in sorted(h.catalog.steps.values(), key=lambda r: r.step):
             loc = h.local.setdefault(rec.step, Local())
-            if rec.state == StepState.ENCODING and not loc.stored:
-                # Every daemon of the group takes its parity memory and runs the exchange in the
-                # round that saw the last rank staged. A daemon without the memory still moves
-                # its bytes and says so with ``stored``, and the step fails: a vote on the
-                # memory first cost every put one more round.
+            if rec.state == StepState.READY and not loc.prepared:
+                self.exchange.prepare(rec, loc)
+            elif rec.state == StepState.ENCODING and not loc.stored:
                 self.exchange.run(rec, loc)
         self._announce(self.repairer.serve())
         self.fetcher.serve()

@@ -36,7 +36,7 @@ from storage.pool import RESERVE, Buffer
 __all__ = ["Warmer", "reserve_sizes"]
 
 _MIN_RESERVE = 8 << 20
-_LIVE = (StepState.STAGING, StepState.ENCODING)
+_LIVE = (StepState.STAGING, StepState.READY, StepState.ENCODING)
 
 
 def reserve_sizes(total: int) -> list[int]:

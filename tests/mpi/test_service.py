@@ -66,9 +66,8 @@ def test_a_host_without_parity_memory_fails_the_step_and_nothing_else(
     shm_root: Path, k: int, m: int
 ) -> None:
     """host2's pool fails its 4th take (step 2's parity; takes 1-3 are step 1's shard and
-    parity and step 2's shard): it still does its part of the exchange, with nowhere to keep
-    parity, and step 2 fails on every rank with an error that names it. Step 1 stays whole and
-    step 3 is protected by the same job. With m = 2 host2 forwards parity as an encoder too."""
+    parity and step 2's shard): step 2 fails on every rank with an error that names host2. Step
+    1 stays whole and step 3 is protected by the same job."""
     cluster = Cluster(
         shm_root, hosts=4, k=k, m=m, env={"ECSNAP_FAULTS": "enospc@alloc:host=host2:nth=4"}
     )

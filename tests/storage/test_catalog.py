@@ -50,7 +50,9 @@ def counts(cat: Catalog, step: int, field: int, n: int, extra: int = 0) -> Ballo
 def protect(cat: Catalog, step: int, world: int = 2) -> None:
     assert cat.assign(step) is not None
     cat.count(staged(cat, step, list(range(world)), world))
-    assert cat.steps[step].state == StepState.ENCODING  # laid out: encoded in this round
+    assert cat.steps[step].state == StepState.READY
+    cat.count(counts(cat, step, Ballot.PREPARED, cat.slots))
+    assert cat.steps[step].state == StepState.ENCODING
     cat.count(counts(cat, step, Ballot.STORED, cat.slots - 1))
     assert cat.latest() != step  # never visible before every daemon stored parity
     cat.count(counts(cat, step, Ballot.STORED, 1, extra=4096))
@@ -67,6 +69,7 @@ def test_lifecycle_and_retention() -> None:
     cat.count(staged(cat, 3, [0], 2))
     assert cat.protected() == [1, 2] and cat.steps[3].state == StepState.STAGING
     cat.count(staged(cat, 3, [1], 2))
+    cat.count(counts(cat, 3, Ballot.PREPARED, 2))
     cat.count(counts(cat, 3, Ballot.STORED, 1))
     assert cat.protected() == [1, 2]  # step 1 stays until step 3 is protected
     cat.count(counts(cat, 3, Ballot.STORED, 1))
@@ -76,19 +79,17 @@ def test_lifecycle_and_retention() -> None:
     assert sorted(rec.shards) == [0, 1] and len(rec.layouts) == 1
 
 
-def test_a_host_without_parity_memory_fails_the_step_only_and_is_named() -> None:
-    cat = catalog(slots=3)
-    protect(cat, 1, world=3)
+def test_failed_prepare_fails_the_step_only_and_names_the_host() -> None:
+    cat = catalog()
+    protect(cat, 1)
     cat.assign(2)
-    cat.count(staged(cat, 2, [0, 1, 2], 3))
-    b = counts(cat, 2, Ballot.STORED, 1)
+    cat.count(staged(cat, 2, [0, 1], 2))
+    b = counts(cat, 2, Ballot.PREPARED, 1)
     lane = cat.lane_of(2)
     assert lane is not None
-    b.add(lane, Ballot.STORE_FAILED, 1)
+    b.add(lane, Ballot.PREP_FAILED, 1)
     b.raise_to(lane, Ballot.FAIL_SLOT_NEG, -1)
     cat.count(b)
-    assert cat.steps[2].state == StepState.ENCODING  # a daemon has not stored yet
-    cat.count(counts(cat, 2, Ballot.STORED, 1))
     rec = cat.steps[2]
     assert rec.state == StepState.FAILED and rec.lane is None
     assert rec.error is not None and rec.error["error"] == "CapacityError"
@@ -160,7 +161,7 @@ def test_rank_sums_accept_one_of_each(world: int) -> None:
     cat = catalog(slots=2)
     cat.assign(1)
     cat.count(staged(cat, 1, list(range(world)), world))
-    assert cat.steps[1].state == StepState.ENCODING
+    assert cat.steps[1].state == StepState.READY
 
 
 def test_a_referenced_step_is_pinned_then_freed() -> None:
@@ -186,6 +187,7 @@ def test_a_referenced_step_is_pinned_then_freed() -> None:
         b.raise_to(lane, Ballot.WORLD_NEG, -2)
     cat.count(b)
     assert cat.pins == {}  # the record took the pin's place
+    cat.count(counts(cat, 3, Ballot.PREPARED, 2))
     cat.count(counts(cat, 3, Ballot.STORED, 2))
     # --keep 1: step 2 leaves the readers' view, but step 3 refers to it
     assert cat.protected() == [3] and cat.steps[2].state == StepState.PINNED
