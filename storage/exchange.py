@@ -143,7 +143,7 @@ class Exchange:
             mine_to_encode = []
             for s in range(w0, min(w0 + window, layout.stripes)):
                 ppos = layout.parity_positions(s)
-                encoder = ppos[0]
+                encoder = ppos[layout.encoder(s)]
                 for j in range(k):
                     if layout.data_position(s, j) == pos:
                         c = layout.data_chunk(s, j)
@@ -205,16 +205,17 @@ class Exchange:
             wait_parity(wi - 2)  # its parity sends read the out rows this window encodes into
             for s in mine_to_encode:
                 row0 = (s - w0) * k
-                outs = [parity_row(s)]
-                for i in range(1, m):
-                    outs.append(out_scratch[(s - w0) * (m - 1) + i - 1])
+                e = layout.encoder(s)  # this host's own parity index: encoded in place
+                others = iter(out_scratch[(s - w0) * (m - 1) : (s - w0 + 1) * (m - 1)])
+                outs = [parity_row(s) if i == e else next(others) for i in range(m)]
                 t0 = time.perf_counter()
                 with clock.phase("encode"):
                     rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
                 t_encode += time.perf_counter() - t0
                 ppos = layout.parity_positions(s)
-                for i in range(1, m):
-                    parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
+                for i in range(m):
+                    if i != e:
+                        parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
             parity_wait[wi] = parity_reqs
             if wi + 2 < len(starts):
                 posted[wi + 2] = post(starts[wi + 2])  # into this window's rows, encoded now
@@ -223,7 +224,11 @@ class Exchange:
         encoded_stripes = (
             0
             if replicate
-            else sum(1 for s in range(layout.stripes) if layout.parity_positions(s)[0] == pos)
+            else sum(
+                1
+                for s in range(layout.stripes)
+                if layout.parity_positions(s)[layout.encoder(s)] == pos
+            )
         )
         h.stats["encode_bytes"] += encoded_stripes * k * cb
         h.stats["encode_seconds"] += t_encode
