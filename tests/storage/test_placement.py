@@ -67,9 +67,31 @@ def test_network_bytes_per_host(n: int, m: int) -> None:
     C = 1200
     lay = StripeLayout(Group(0, tuple(range(n)), k, m), [C] * n)
     for p in range(n):
-        encodes = sum(1 for s in range(lay.stripes) if lay.parity_positions(s)[0] == p)
+        encodes = sum(1 for s in range(lay.stripes) if lay.parity_positions(s)[lay.encoder(s)] == p)
         sent = C + (m - 1) * encodes
         assert sent <= (1 + (m - 1) / k) * C * 1.01 + n * m
+
+
+@pytest.mark.parametrize(("n", "m"), [(4, 1), (4, 2), (5, 2), (6, 3), (8, 3), (10, 2), (12, 4)])
+def test_every_host_sends_the_same_to_each_peer(n: int, m: int) -> None:
+    """Data chunks to their stripe's encoder, parity from it to the other parity holders: with
+    the parity holders taking turns at encoding, no pair of hosts carries more than another
+    (with the first one always encoding, RS(2,2) on 4 hosts sent 1200 chunks to one peer and
+    none to another)."""
+    k = n - m
+    lay = StripeLayout(Group(0, tuple(range(n)), k, m), [1200] * n)
+    flow = [[0] * n for _ in range(n)]
+    for s in range(lay.stripes):
+        parity = lay.parity_positions(s)
+        e = lay.encoder(s)
+        for j in range(k):
+            if lay.data_chunk(s, j) is not None:
+                flow[lay.data_position(s, j)][parity[e]] += 1
+        for i in range(m):
+            if i != e:
+                flow[parity[e]][parity[i]] += 1
+    pairs = [flow[a][b] for a in range(n) for b in range(n) if a != b]
+    assert max(pairs) - min(pairs) <= 4, flow
 
 
 def test_host_blob_chunks() -> None:
