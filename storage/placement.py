@@ -193,9 +193,9 @@ class StripeLayout:
         The parity holders take turns, one rotation of the group (n stripes) each, and every
         host sends the same to each peer. With the first parity position always encoding, the
         flows were uneven for m >= 2: in RS(2,2) on 4 hosts each host sent two thirds of its
-        bytes to the next host (data and parity), a third to the one after and nothing to the
-        third, and puts over 2 Gbit/s links took about 10 % longer (bench store --lab: 2.96-3.17 s
-        against 2.71-2.97 s taking turns, alternated runs)."""
+        bytes to the next host (data and parity), a third to the one after, and nothing to its
+        third peer; puts over 2 Gbit/s links took about 10 % longer (bench store --lab: 2.96-3.17
+        s against 2.71-2.97 s taking turns, alternated runs)."""
         return (s // self.n) % self.m
 
     def data_position(self, s: int, j: int) -> int:
