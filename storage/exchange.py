@@ -143,7 +143,7 @@ class Exchange:
             mine_to_encode = []
             for s in range(w0, min(w0 + window, layout.stripes)):
                 ppos = layout.parity_positions(s)
-                encoder = ppos[layout.encoder(s)]
+                encoder = layout.encoder_position(s)
                 for j in range(k):
                     if layout.data_position(s, j) == pos:
                         c = layout.data_chunk(s, j)
@@ -224,11 +224,7 @@ class Exchange:
         encoded_stripes = (
             0
             if replicate
-            else sum(
-                1
-                for s in range(layout.stripes)
-                if layout.parity_positions(s)[layout.encoder(s)] == pos
-            )
+            else sum(1 for s in range(layout.stripes) if layout.encoder_position(s) == pos)
         )
         h.stats["encode_bytes"] += encoded_stripes * k * cb
         h.stats["encode_seconds"] += t_encode

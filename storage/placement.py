@@ -198,6 +198,10 @@ class StripeLayout:
         s against 2.71-2.97 s taking turns, alternated runs)."""
         return (s // self.n) % self.m
 
+    def encoder_position(self, s: int) -> int:
+        """The position that encodes stripe s (see :meth:`encoder`)."""
+        return self.parity_positions(s)[self.encoder(s)]
+
     def data_position(self, s: int, j: int) -> int:
         return (s + self.m + j) % self.n
 

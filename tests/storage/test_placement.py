@@ -67,7 +67,7 @@ def test_network_bytes_per_host(n: int, m: int) -> None:
     C = 1200
     lay = StripeLayout(Group(0, tuple(range(n)), k, m), [C] * n)
     for p in range(n):
-        encodes = sum(1 for s in range(lay.stripes) if lay.parity_positions(s)[lay.encoder(s)] == p)
+        encodes = sum(1 for s in range(lay.stripes) if lay.encoder_position(s) == p)
         sent = C + (m - 1) * encodes
         assert sent <= (1 + (m - 1) / k) * C * 1.01 + n * m
 
