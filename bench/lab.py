@@ -402,8 +402,10 @@ class LabJob:
         for pid in _ns_pids(self.lab.hosts[i]):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
+                continue
+            state = process_state(pid)
+            if state is None:
                 continue
             out.append(f"{pid} {state} {cmd[:200]}")
         return out
@@ -439,6 +441,27 @@ class LabJob:
             (self.root(i) / self.job / self.lab.hosts[i] / "health.json").read_text()
         )
         return int(health["pid"])
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (``T``: stopped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def stop(pid: int, timeout: float = 5.0) -> bool:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped: ``kill`` returns while a
+    thread of it may still be running (answering a request sent right after the signal).
+    Whether it stopped within ``timeout``."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while process_state(pid) != "T":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _ns_pids(ns: str) -> list[int]:

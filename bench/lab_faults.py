@@ -29,11 +29,10 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from bench.harness import REPO, close_all, make_state, same
-from bench.lab import Lab, LabJob
+from bench.lab import Lab, LabJob, process_state
 
 NET_FAULTS = ["link-down@put", "link-down@rebuild", "slow-link@put", "sigstop"]
 HOSTS = 4
@@ -60,13 +59,6 @@ def _overlimits(lab: Lab, i: int) -> int:
         words = out.replace(",", " ").split()
         n += sum(int(words[j + 1]) for j, w in enumerate(words[:-1]) if w == "overlimits")
     return n
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
 
 
 class Trial:
@@ -205,7 +197,7 @@ class Trial:
                 with ThreadPoolExecutor(1) as pool:
                     outcome = pool.submit(self.put, 3)
                     time.sleep(min(pause, 0.3))
-                    self.fired += _stopped(pid)
+                    self.fired += process_state(pid) == "T"
                     time.sleep(max(pause - 0.3, 0))
                     os.kill(pid, signal.SIGCONT)
                     out = outcome.result()

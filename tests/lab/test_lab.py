@@ -22,7 +22,7 @@ import pytest
 
 import storage
 from bench.harness import REPO, assert_same, make_state
-from bench.lab import Lab, LabJob, janitor
+from bench.lab import Lab, LabJob, janitor, stop
 
 PEER_TIMEOUT = 8.0
 
@@ -174,7 +174,7 @@ def test_network_faults_link_down_slow_link_and_a_stopped_daemon(lab: Lab) -> No
         # (d) a daemon stopped (alive, silent) and continued within the peer timeout: a put
         # waits for it and completes; the job carries on
         pid = job.daemon_pid(2)
-        os.kill(pid, signal.SIGSTOP)
+        assert stop(pid), job.processes(2)
         with ThreadPoolExecutor(4) as pool:  # rank 2's put waits for its daemon's answer
             puts = [pool.submit(s.put, 3, make_state(r, 3)) for r, s in enumerate(stores)]
             time.sleep(PEER_TIMEOUT / 3)
@@ -188,14 +188,16 @@ def test_network_faults_link_down_slow_link_and_a_stopped_daemon(lab: Lab) -> No
         slow = storage.connect(
             name, rank=2, world_size=4, host=lab.hosts[2], root=job.root(2), timeout=2.0
         )
-        os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        with pytest.raises(storage.DaemonUnavailableError, match="did not answer"):
-            slow.steps()
-        assert time.monotonic() - t0 < 4.0
-        os.kill(pid, signal.SIGCONT)
-        assert 3 in slow.steps()  # the next call reconnects
-        slow.close()
+        try:
+            assert stop(pid), job.processes(2)
+            t0 = time.monotonic()
+            with pytest.raises(storage.DaemonUnavailableError, match="did not answer"):
+                slow.steps()
+            assert time.monotonic() - t0 < 4.0
+            os.kill(pid, signal.SIGCONT)
+            assert 3 in slow.steps()  # the next call reconnects
+        finally:
+            slow.close()
         _check(stores, [2, 3])
         # (a) a host's link down during a put's exchange: the put fails, naming the host; the
         # storage job exits (MPI cannot lose a rank and go on), and a relaunch recovers
