@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.kill == "2hosts" and a.hosts < 3:
         p.error("--kill 2hosts needs at least 3 hosts")
     demo = Demo(a)
+    started = time.time()
     try:
         return demo.run()
     except KeyboardInterrupt:
@@ -487,3 +488,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         demo.cleanup()
+        from storage.launch import sweep_hydra_files
+
+        sweep_hydra_files(started)  # the SIGKILLed job's

@@ -17,13 +17,51 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["mpiexec", "serve_command", "start"]
+__all__ = ["mpiexec", "serve_command", "start", "sweep_hydra_files"]
+
+# Hydra's proxy writes the machine's topology to a file of this name and holds it open while it
+# runs; it unlinks it on a clean exit (SIGTERM included), so a SIGKILLed job leaves it behind.
+HYDRA_TOPOLOGY = "/tmp/hydra_hwloc_xmlfile_*"
 
 
 def mpiexec() -> str:
     """The venv's mpiexec (the mpich wheel's: ``mpiexec`` outside it starts the system Python)."""
     here = Path(sys.executable).parent / "mpiexec"
     return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def sweep_hydra_files(since: float) -> list[str]:
+    """Remove the topology files of Hydra proxies that were SIGKILLed (the tests and benchmarks
+    kill storage jobs on purpose): those modified at or after ``since`` (a ``time.time()``) that
+    no live process holds open. Returns the paths removed."""
+    # the candidates first: a proxy that starts after this glob makes a file it does not list,
+    # and one that started before holds its file open from creation (mkstemp) while it runs
+    candidates = []
+    for path in Path("/").glob(HYDRA_TOPOLOGY.lstrip("/")):
+        try:
+            if path.stat().st_mtime >= since:
+                candidates.append(path)
+        except FileNotFoundError:
+            continue
+    if not candidates:
+        return []
+    held = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            fds = list(fd_dir.iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                held.add(os.readlink(fd))
+            except OSError:
+                continue
+    removed = []
+    for path in candidates:
+        if str(path) not in held:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
 
 
 def serve_command(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,11 +27,14 @@ def _mpich_segments() -> set[str]:
 @pytest.fixture(autouse=True, scope="session")
 def no_leaked_mpi_segments() -> Iterator[None]:
     """MPICH's shared-memory segment files outlive ranks that were SIGKILLed before they unlinked
-    them (the tests kill daemons on purpose). Remove those this session left and nobody maps."""
+    them (the tests kill daemons on purpose). Remove those this session left and nobody maps; the
+    same for the topology files of Hydra proxies SIGKILLed with their jobs."""
     from bench.faults import _mapped_shm
+    from storage.launch import sweep_hydra_files
 
-    before = _mpich_segments()
+    before, started = _mpich_segments(), time.time()
     yield
+    sweep_hydra_files(started)
     left = _mpich_segments() - before - _mapped_shm()
     for name in left:
         (Path("/dev/shm") / name).unlink(missing_ok=True)
