@@ -37,16 +37,14 @@ class Exchange:
     def close(self) -> None:
         self._crc_pool.shutdown(wait=True)
 
-    def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any, Any]]:
-        """The two half windows' rows: data in, parity out, data out (see :meth:`run`; data
-        out only between virtual hosts, None otherwise)."""
+    def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any]]:
+        """The two half windows' rows: data in, parity out (see :meth:`run`)."""
         h = self.host
         window = max(1, h.config.window // 2)
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
                 h.scratch(f"out{i}", window * max(m - 1, 1) + 1, cb),
-                h.scratch(f"send{i}", window, cb) if h.spin else None,
             )
             for i in range(2)
         ]
@@ -112,13 +110,13 @@ class Exchange:
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
         nap = None if h.spin else NET_NAP
-        # Between virtual hosts a data chunk is copied into a private row and sent from there:
-        # MPICH's shared-memory path sends from a shard's /dev/shm mapping at 2.6x the CPU of
-        # private memory, and the copy and its send together cost less (256 MiB each way between
-        # two ranks, CPU of both: 0.154 s sent from the mapping, 0.135 s copied first, 0.059 s
-        # private; bench/transfer_floor.py --source shm|shm-copied|private). Over TCP the
-        # kernel copies either way and the source makes no difference, so the copy is not made.
-        copy_first = h.spin  # (the rows it needs are made only then)
+        # A data chunk is sent from the shard's /dev/shm mapping, not copied into a private row
+        # first. Both ways on an Intel Xeon machine (4 virtual hosts on 2 cores, RS(3,1),
+        # 1.5 GB, two alternated pairs of 8 puts): with the copy 0.90-0.92 CPU s per protected
+        # GB and 0.77 s put->protected, without it 0.68-0.69 and 0.61. Between two ranks alone
+        # (bench/transfer_floor.py --source shm|shm-copied, 256 MiB each way) the copy cost
+        # 0.143 s against 0.105 there, but saved some on an AMD EPYC machine (0.135 against
+        # 0.154), where it had been kept. Over TCP the kernel copies either way.
         clock = h.cpu
         t_encode = 0.0
 
@@ -137,7 +135,7 @@ class Exchange:
 
         def post(w0: int) -> tuple[list[Any], list[Any], list[int]]:
             """Post window ``w0``'s data sends and receives and its parity receives."""
-            data_scratch, _, outbox = sets[(w0 // window) % 2]
+            data_scratch, _ = sets[(w0 // window) % 2]
             data_reqs: list[Any] = []
             parity_reqs: list[Any] = []
             mine_to_encode = []
@@ -149,10 +147,6 @@ class Exchange:
                         c = layout.data_chunk(s, j)
                         if c is not None:
                             row = h.chunk_view(rec, c)
-                            if copy_first:
-                                with clock.phase("send"):
-                                    outbox[s - w0, : row.nbytes] = row
-                                row = outbox[s - w0, : row.nbytes]
                             for to in ppos if replicate else (encoder,):
                                 data_reqs += links.isend(row, rank_at[to], TAG_DATA)
                 if replicate:
@@ -194,7 +188,7 @@ class Exchange:
 
         for wi, w0 in enumerate(starts):
             data_reqs, parity_reqs, mine_to_encode = posted.pop(wi)
-            data_scratch, out_scratch, _ = sets[wi % 2]
+            data_scratch, out_scratch = sets[wi % 2]
             links.wait(
                 data_reqs,
                 f"data exchange of step {rec.step}",

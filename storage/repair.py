@@ -199,11 +199,10 @@ class Repairer:
         rebuilt = 0
         t_wait = t_dec = 0.0
         t_start = time.monotonic()
-        outbox = h.scratch("send", window, cb)
         # a chain window holds two rows a stripe (the partial sum received, and a short own
         # chunk padded), not k + 1: twice the stripes in flight for RS(3,1) in the same memory
         cwin = max(1, min(h.config.window, _REPAIR_ROWS // (2 * cb)))
-        chain_out = h.scratch("send", cwin, cb) if chain else outbox
+        chain_out = h.scratch("send", cwin, cb) if chain else None
         for w0 in range(0, len(chain), cwin):
             tw = time.monotonic()
             rebuilt += self._chain_window(rec, layout, plan, chain[w0 : w0 + cwin], chain_out, cwin)
@@ -227,7 +226,7 @@ class Repairer:
             for wi, w0 in enumerate(range(0, len(stripes), window)):
                 scratch = h.scratch(f"repair{wi % 2}", window * (k + 1), cb)
                 reqs, jobs = self._post_window(
-                    rec, layout, plan, stripes[w0 : w0 + window], scratch, outbox
+                    rec, layout, plan, stripes[w0 : w0 + window], scratch
                 )
                 tw = time.monotonic()
                 try:
@@ -372,10 +371,9 @@ class Repairer:
         plan: RepairPlan,
         batch: list[int],
         scratch: Any,
-        outbox: Any,
     ) -> tuple[list[Any], list[tuple[int, int, int, dict[int, Any]]]]:
-        """Post this host's sends (staged in ``outbox``, a row per stripe) and receives (into
-        ``scratch``, k + 1 rows per stripe) of one repair window; return the requests and the
+        """Post this host's sends (from its chunks' mappings) and receives (into ``scratch``,
+        k + 1 rows per stripe) of one repair window; return the requests and the
         decodes that fall to it (stripe, row, erased index, available chunks by index)."""
         h = self.host
         g = h.group
@@ -386,7 +384,6 @@ class Repairer:
         for b, s in enumerate(batch):
             erased_idx, sources = plan.stripes[s]
             decoders = sorted({holder(layout, s, e) for e in erased_idx})
-            staged = None
             for d in decoders:
                 avail: dict[int, Any] = {}
                 for a_i, a in enumerate(sources):
@@ -414,13 +411,8 @@ class Repairer:
                         avail[a] = row
                     elif hp == pos:
                         assert view is not None
-                        if staged is None:
-                            # copied into a private row, as the exchange does, and for its
-                            # measured reason (storage/exchange.py: MPICH sends from a /dev/shm
-                            # mapping at 2.6x the CPU)
-                            staged = outbox[b, : view.nbytes]
-                            staged[:] = view
-                        reqs += h.gl.isend(staged, d, TAG_REPAIR)
+                        # from the mapping, as the exchange sends (see storage/exchange.py)
+                        reqs += h.gl.isend(view, d, TAG_REPAIR)
                 if d == pos:
                     target = next(e for e in erased_idx if holder(layout, s, e) == pos)
                     jobs.append((s, b, target, avail))
