@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeAlias
@@ -147,6 +148,7 @@ class RSCodec:
         self._plans: dict[tuple[tuple[int, ...], tuple[int, ...], int], _Plan] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._helper_cpu = 0.0
 
     def __repr__(self) -> str:
         return f"RSCodec(k={self.k}, m={self.m}, threads={self.threads})"
@@ -392,12 +394,27 @@ class RSCodec:
             return
         pool = self._ensure_pool()
         futures: list[Future[None]] = [
-            pool.submit(encode, size, k, rows, tptr, s, d) for size, s, d in pieces[1:]
+            pool.submit(self._helper, encode, size, k, rows, tptr, s, d)
+            for size, s, d in pieces[1:]
         ]
         size, s, d = pieces[0]
         encode(size, k, rows, tptr, s, d)
         for f in futures:
             f.result()
+
+    def _helper(self, fn: Any, *args: Any) -> None:
+        """One piece on a helper thread, its CPU time counted (see :meth:`helper_seconds`)."""
+        t0 = time.thread_time()
+        fn(*args)
+        spent = time.thread_time() - t0
+        with self._lock:
+            self._helper_cpu += spent
+
+    def helper_seconds(self) -> float:
+        """CPU seconds the helper threads of ``threads > 1`` have spent so far, for a caller that
+        counts CPU by thread (their time is not the calling thread's)."""
+        with self._lock:
+            return self._helper_cpu
 
     def _ensure_pool(self) -> ThreadPoolExecutor:
         pool = self._pool

@@ -119,6 +119,7 @@ class Exchange:
         # 0.154), where it had been kept. Over TCP the kernel copies either way.
         clock = h.cpu
         t_encode = 0.0
+        helpers = rs.helper_seconds()  # the codec's helper threads' CPU is charged to encode
 
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
             """Post the receive of stripe s's data chunk j into ``dst``; zero its virtual pad."""
@@ -215,6 +216,7 @@ class Exchange:
                 posted[wi + 2] = post(starts[wi + 2])  # into this window's rows, encoded now
         for wi in sorted(parity_wait):
             wait_parity(wi)
+        clock.add("encode", rs.helper_seconds() - helpers)
         encoded_stripes = (
             0
             if replicate

@@ -211,14 +211,17 @@ class Repairer:
         def decode(jobs: list[tuple[int, int, int, dict[int, Any]]], scratch: Any) -> None:
             nonlocal t_dec  # one decode at a time; read after the last one
             t = time.monotonic()
-            for s, b, target, avail in jobs:
-                dest = h.stripe_chunk(rec, layout, s, target)
-                if dest.nbytes == cb:
-                    rs.decode_into(avail, {target: dest})
-                else:
-                    out = scratch[b * (k + 1) + k]
-                    rs.decode_into(avail, {target: out})
-                    dest[:] = out[: dest.nbytes]
+            helpers = rs.helper_seconds()
+            with h.cpu.phase("repair"):  # this thread's, and the codec's helpers' below
+                for s, b, target, avail in jobs:
+                    dest = h.stripe_chunk(rec, layout, s, target)
+                    if dest.nbytes == cb:
+                        rs.decode_into(avail, {target: dest})
+                    else:
+                        out = scratch[b * (k + 1) + k]
+                        rs.decode_into(avail, {target: out})
+                        dest[:] = out[: dest.nbytes]
+            h.cpu.add("repair", rs.helper_seconds() - helpers)
             t_dec += time.monotonic() - t
 
         decoding: Future[None] | None = None
