@@ -13,11 +13,12 @@ The phases (``ecsnap_cpu_seconds_total{phase}``):
 - ``stage``, ``hash``: the trainer's copy into shared memory; its digests of leaves that may be
   unchanged (incremental puts);
 - ``checksum``: CRCs of data and parity chunks;
-- ``encode``: ISA-L encoding (``repair``'s decoding is under ``repair``);
+- ``encode``: ISA-L encoding, the codec's helper threads included (``repair``'s decoding is
+  under ``repair``);
 - ``receive``, ``send``: bulk bytes over MPI (a wait while this daemon's receives are
-  outstanding, then while only its sends are), with any spinning while they move; ``send`` also
-  holds the copy into the send rows (between virtual hosts: see :mod:`storage.exchange`);
-- ``exchange``: the rest of an exchange: posting transfers, the window bookkeeping;
+  outstanding, then while only its sends are), with any spinning while they move;
+- ``exchange``: the rest of an exchange: posting transfers (MPI copies in a message that
+  arrived before its receive was posted right then), the window bookkeeping;
 - ``polling``: waiting for the other daemons in a round's collectives;
 - ``rounds``: the round engine's own work (events, ballots, the catalog, manifests);
 - ``serve``: answering trainers (the socket threads);
