@@ -299,13 +299,8 @@ class Host:
 
         The rows are faulted in when made, by the kernel in one call (``MAP_POPULATE``: 1.0 s per
         GB here, against 3.4 s for numpy's first writes to fresh pages), and made ahead of the
-        first step by :class:`storage.warm.Warmer`.
-
-        Between virtual hosts, sends go out of these rows, not straight from the shared-memory
-        files: MPICH's shared-memory path moves a message out of anonymous memory 1.7-3x faster
-        than out of a tmpfs mapping (measured with 4 ranks fanning in 1 MiB messages: 2.3 GB/s
-        from the file, 4.0 with the copy, 6.4 anon), so the extra copy pays for itself. Over TCP
-        it does not (see :meth:`storage.exchange.Exchange.run`).
+        first step by :class:`storage.warm.Warmer`. Data chunks are sent straight from the
+        shared-memory files, not out of rows (see :meth:`storage.exchange.Exchange.run`).
         """
         key = (purpose, rows, self.chunk_bytes)
         with self._scratch_lock:
