@@ -34,7 +34,8 @@ def _swap(
     row: np.ndarray[Any, Any] | None = None,
 ) -> None:
     """Send ``out`` to the peer while receiving its ``into``, piece by piece; with ``row``, each
-    piece is first copied into that private row and sent from there (the exchange's way)."""
+    piece is first copied into that private row and sent from there (how the exchange sent
+    between virtual hosts until 1da3062)."""
     from mpi4py import MPI
 
     peer = 1 - comm.Get_rank()
