@@ -152,6 +152,7 @@ class Host:
         self.announced: set[int] = set()  # steps with a shard staged here, until forgotten
         self.pending: dict[tuple[int, int], str] = {}  # (step, rank) -> buffer being staged
         self.pending_conn: dict[tuple[int, int], int] = {}  # ... and the connection staging it
+        self.waiters = 0  # trainers waiting for a step's protection and the round that acks it
         self.early_pins: dict[tuple[int, int], tuple[int, int]] = {}  # dry alloc: (base, conn)
         self.wanted: set[int] = set()  # steps allocated here: the next round asks for their lane
         self.t_alloc: dict[tuple[int, int], float] = {}  # (step, rank) -> when the put began

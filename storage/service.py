@@ -323,15 +323,21 @@ class Service:
                 )
             return bool(outcome)
 
+        with h.lock:
+            h.waiters += 1  # live work: the warmer waits (storage.warm)
         try:
-            h.wait_for(settled, timeout, f"the protection of step {step}")
-        except StorageTimeoutError as exc:
-            raise StorageTimeoutError(
-                f"{exc}; the storage job may be stuck or a rank never put it"
-            ) from exc
-        if "error" in outcome:
-            raise outcome["error"]
-        h.after_next_round()  # every host has written its manifest
+            try:
+                h.wait_for(settled, timeout, f"the protection of step {step}")
+            except StorageTimeoutError as exc:
+                raise StorageTimeoutError(
+                    f"{exc}; the storage job may be stuck or a rank never put it"
+                ) from exc
+            if "error" in outcome:
+                raise outcome["error"]
+            h.after_next_round()  # every host has written its manifest
+        finally:
+            with h.lock:
+                h.waiters -= 1
         return {"step": step}
 
     # -- reading ----------------------------------------------------------------------------------

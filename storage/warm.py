@@ -5,7 +5,8 @@ two threads of :func:`transport.shm.prefault`), and a put that finds no free fil
 the pool pays that inside its put->protected: the first ``keep + 1`` puts after a start, until
 retention frees files for reuse. The warmer makes those files before they are asked for, on a
 thread of its own, one 64 MiB piece at a time and only while the host is idle (no shard being
-staged, no step staging, ready or encoding: live work always goes first):
+staged, no step staging, ready or encoding, no trainer waiting to hear its step is protected:
+live work always goes first):
 
 - once a step has shards here (staged, or adopted after a restart), ``keep + 1`` files of each
   of their ranks' shard sizes, and as many of the host's parity size once the step is laid out:
@@ -118,10 +119,16 @@ class Warmer:
             self._thread.join(timeout=30)
 
     def busy(self) -> bool:
-        """Live work on this host: a shard being staged, a step staging, ready or encoding."""
+        """Live work on this host: a shard being staged, a step staging, ready or encoding, or a
+        trainer waiting to hear that its step is protected (the round that acknowledges it).
+
+        Without the waiters, the first put after a start with ``--reserve`` was told of its
+        protection 45-110 ms after every daemon had it: the warmers began at protection, and
+        the acknowledging round waited for the cores and the GIL they held (4 virtual hosts on
+        2 cores, 1.5 GB; later puts, with nothing to make, 1-5 ms)."""
         h = self.host
         with h.lock:
-            if h.pending or h.stopping:
+            if h.pending or h.stopping or h.waiters:
                 return True
             return any(r.state in _LIVE for r in h.catalog.steps.values())
 

@@ -6,14 +6,19 @@ from files made ahead adds none. The tests read that counter, so they fail if a 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import storage
 from bench.harness import Cluster, assert_same, close_all, make_state
+from bench.lab import process_state, stop
 
 HOSTS = 4
 NBYTES = 6 << 20  # per rank: a few chunks per host
@@ -37,8 +42,8 @@ def _stores(cluster: Cluster) -> Iterator[list[storage.Store]]:
         close_all(stores)
 
 
-def _put(stores: list[storage.Store], step: int) -> None:
-    handles = [s.put(step, make_state(r, step, nbytes=NBYTES)) for r, s in enumerate(stores)]
+def _put(stores: list[storage.Store], step: int, nbytes: int = NBYTES) -> None:
+    handles = [s.put(step, make_state(r, step, nbytes=nbytes)) for r, s in enumerate(stores)]
     for h in handles:
         assert h.wait(60) == step
 
@@ -116,3 +121,39 @@ def test_reserve_serves_the_first_put_and_outlives_a_restart(shm_root: Path) -> 
                 )
     finally:
         again_cluster.stop()
+
+
+def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path) -> None:
+    """A step protected but not yet acknowledged to its trainer is live work: the trainer hears
+    of it only after one more round (every manifest written), and a warmer that takes the cores
+    then delays that answer. Here the acknowledging round cannot complete (a peer daemon is
+    stopped): the waiting host's warmer faults in nothing meanwhile, while another host's, with
+    no trainer waiting, goes on; once the wait is answered, the waiting host's goes on too."""
+    with _cluster(shm_root, []) as cluster, _stores(cluster) as stores:
+        _put(stores, 1, nbytes=192 << 20)
+        # the warmers now make the next two puts' files, 64 MiB a piece, for seconds
+        ahead = lambda i: int(stores[i].info()["stats"]["pool_ahead_bytes"])  # noqa: E731
+        _until("host0's warmer at work", lambda: ahead(0) > 0)
+        health = cluster.root / cluster.job / "host3" / "health.json"
+        pid = int(json.loads(health.read_text())["pid"])
+        assert stop(pid), "host3's daemon did not stop"
+        try:
+            time.sleep(0.5)  # a round host3 had joined before it stopped completes; no later one
+            conn = stores[0]._open()
+            with ThreadPoolExecutor(1) as pool:
+                wait = {"op": "wait", "step": 1, "timeout": None}
+                answer = pool.submit(stores[0]._request, wait, conn)
+                time.sleep(0.5)  # step 1 is protected: the wait is in its acknowledging round
+                assert not answer.done(), "the wait was answered with a peer stopped"
+                mine, other = ahead(0), ahead(1)
+                time.sleep(1.5)
+                assert ahead(0) == mine, "the warmer faulted in memory while a trainer waited"
+                assert ahead(1) > other, "host1's warmer had nothing to do: the test is moot"
+                assert process_state(pid) == "T"
+                os.kill(pid, signal.SIGCONT)
+                assert answer.result(60)["step"] == 1
+            conn.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _until("host0's warmer going on", lambda: ahead(0) > mine)
+        _until("the next puts' files", lambda: all(s["warm_files"] >= 4 for s in _stats(stores)))
