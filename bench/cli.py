@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
 
 __all__ = ["main"]
 
@@ -35,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ecsnap bench: unknown benchmark {name!r}; choose one of {names}", file=sys.stderr)
         return 2
     module, function = BENCHMARKS[name]
-    started = time.time()
-    try:
-        return int(getattr(importlib.import_module(module), function)(rest))
-    finally:
-        from storage.launch import sweep_hydra_files
+    from storage.launch import sweeping_hydra_files
 
-        sweep_hydra_files(started)  # the jobs a benchmark SIGKILLed on purpose left them
+    with sweeping_hydra_files():  # the jobs a benchmark SIGKILLed on purpose left them
+        return int(getattr(importlib.import_module(module), function)(rest))

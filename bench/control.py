@@ -49,17 +49,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def _daemon_pids(cluster: Cluster) -> dict[str, int]:
-    """Host -> pid of its daemon (from the health file each daemon writes)."""
-    import json
-
-    out = {}
-    for name in cluster.host_names:
-        health = json.loads((cluster.root / cluster.job / name / "health.json").read_text())
-        out[name] = int(health["pid"])
-    return out
-
-
 def measure(
     root: Path, hosts: int, tensors: int, warmup: int, steps: int, interval: float
 ) -> dict[str, Any]:
@@ -70,7 +59,7 @@ def measure(
     workers = None
     try:
         workers = Workers(cluster.job, root, 0, 1, hosts, model=tensors)
-        pids = _daemon_pids(cluster)
+        pids = {name: cluster.daemon_pid(name) for name in cluster.host_names}
         latencies = []
         before: list[dict[str, Any]] = []
         cpu0: dict[str, float] = {}

@@ -479,15 +479,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--fail-at must be a step in 0..steps-1")
     if a.kill == "2hosts" and a.hosts < 3:
         p.error("--kill 2hosts needs at least 3 hosts")
-    demo = Demo(a)
-    started = time.time()
-    try:
-        return demo.run()
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process the demo started", file=sys.stderr)
-        return 130
-    finally:
-        demo.cleanup()
-        from storage.launch import sweep_hydra_files
+    from storage.launch import sweeping_hydra_files
 
-        sweep_hydra_files(started)  # the SIGKILLed job's
+    demo = Demo(a)
+    with sweeping_hydra_files():  # the SIGKILLed job's
+        try:
+            return demo.run()
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping every process the demo started", file=sys.stderr)
+            return 130
+        finally:
+            demo.cleanup()

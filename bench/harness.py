@@ -175,6 +175,11 @@ class Cluster:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def daemon_pid(self, name: str) -> int:
+        """The pid of virtual host ``name``'s daemon (from the health file each daemon writes)."""
+        health = json.loads((self.root / self.job / name / "health.json").read_text())
+        return int(health["pid"])
+
     def stop(self, timeout: float = 30.0) -> int:
         if not terminate(self.proc, timeout):
             self.kill()

@@ -9,15 +9,16 @@ logged its ``ready:`` line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["mpiexec", "serve_command", "start", "sweep_hydra_files"]
+__all__ = ["mpiexec", "serve_command", "start", "sweep_hydra_files", "sweeping_hydra_files"]
 
 # Hydra's proxy writes the machine's topology to a file of this name and holds it open while it
 # runs; it unlinks it on a clean exit (SIGTERM included), so a SIGKILLed job leaves it behind.
@@ -62,6 +63,17 @@ def sweep_hydra_files(since: float) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(str(path))
     return removed
+
+
+@contextlib.contextmanager
+def sweeping_hydra_files() -> Iterator[None]:
+    """Run the block, then :func:`sweep_hydra_files` since it began (whatever the block raised):
+    around a test session, a benchmark or the demo, which kill storage jobs on purpose."""
+    started = time.time()
+    try:
+        yield
+    finally:
+        sweep_hydra_files(started)
 
 
 def serve_command(

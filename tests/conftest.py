@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +29,11 @@ def no_leaked_mpi_segments() -> Iterator[None]:
     them (the tests kill daemons on purpose). Remove those this session left and nobody maps; the
     same for the topology files of Hydra proxies SIGKILLed with their jobs."""
     from bench.faults import _mapped_shm
-    from storage.launch import sweep_hydra_files
+    from storage.launch import sweeping_hydra_files
 
-    before, started = _mpich_segments(), time.time()
-    yield
-    sweep_hydra_files(started)
+    before = _mpich_segments()
+    with sweeping_hydra_files():
+        yield
     left = _mpich_segments() - before - _mapped_shm()
     for name in left:
         (Path("/dev/shm") / name).unlink(missing_ok=True)

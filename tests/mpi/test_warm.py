@@ -6,7 +6,6 @@ from files made ahead adds none. The tests read that counter, so they fail if a 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -134,25 +133,26 @@ def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path
         # the warmers now make the next two puts' files, 64 MiB a piece, for seconds
         ahead = lambda i: int(stores[i].info()["stats"]["pool_ahead_bytes"])  # noqa: E731
         _until("host0's warmer at work", lambda: ahead(0) > 0)
-        health = cluster.root / cluster.job / "host3" / "health.json"
-        pid = int(json.loads(health.read_text())["pid"])
+        pid = cluster.daemon_pid("host3")
         assert stop(pid), "host3's daemon did not stop"
         try:
             time.sleep(0.5)  # a round host3 had joined before it stopped completes; no later one
             conn = stores[0]._open()
-            with ThreadPoolExecutor(1) as pool:
-                wait = {"op": "wait", "step": 1, "timeout": None}
-                answer = pool.submit(stores[0]._request, wait, conn)
-                time.sleep(0.5)  # step 1 is protected: the wait is in its acknowledging round
-                assert not answer.done(), "the wait was answered with a peer stopped"
-                mine, other = ahead(0), ahead(1)
-                time.sleep(1.5)
-                assert ahead(0) == mine, "the warmer faulted in memory while a trainer waited"
-                assert ahead(1) > other, "host1's warmer had nothing to do: the test is moot"
-                assert process_state(pid) == "T"
-                os.kill(pid, signal.SIGCONT)
-                assert answer.result(60)["step"] == 1
-            conn.close()
+            try:
+                with ThreadPoolExecutor(1) as pool:
+                    wait = {"op": "wait", "step": 1, "timeout": None}
+                    answer = pool.submit(stores[0]._request, wait, conn)
+                    time.sleep(0.5)  # step 1 is protected: the wait is in its acknowledging round
+                    assert not answer.done(), "the wait was answered with a peer stopped"
+                    mine, other = ahead(0), ahead(1)
+                    time.sleep(1.5)
+                    assert ahead(0) == mine, "the warmer faulted in memory while a trainer waited"
+                    assert ahead(1) > other, "host1's warmer had nothing to do: the test is moot"
+                    assert process_state(pid) == "T"
+                    os.kill(pid, signal.SIGCONT)
+                    assert answer.result(60)["step"] == 1
+            finally:
+                conn.close()
         finally:
             os.kill(pid, signal.SIGCONT)
         _until("host0's warmer going on", lambda: ahead(0) > mine)
