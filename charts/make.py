@@ -318,7 +318,9 @@ def incremental_chart() -> Path | None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     labels = [r["name"] for r in records]
     colors = [
-        {"incremental": "tab:green", "whole": "tab:blue", "dcp": "tab:gray"}[r["mode"]]
+        {"incremental": "tab:green", "whole": "tab:blue", "dcp": "tab:gray", "fixed": "tab:orange"}[
+            r["mode"]
+        ]
         for r in records
     ]
     ys = list(range(len(records)))
@@ -348,7 +350,7 @@ def incremental_chart() -> Path | None:
         f"snapshots that cost what changed: GPT d={p['size']['d']} x {p['size']['layers']} layers, "
         f"{p['world']} ranks, RS({p['k']},{p['m']}), a snapshot every step "
         f"(commit {records[0]['commit']})\ngreen: incremental (default); blue: whole; "
-        "gray: DCP async_save",
+        "gray: DCP async_save; orange: a put of 1 kB per rank (what any put costs here)",
         fontsize=10,
     )
     fig.tight_layout()
