@@ -33,6 +33,7 @@ from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
 from storage.gpu import to_device
+from storage.protocol import MAX_STEP, MAX_WORLD
 from storage.table import aligned, digest
 from transport import control, shm
 from transport.errors import ProtocolError
@@ -89,8 +90,17 @@ class SaveHandle:
         self.t_protected: float | None = None
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait until protected; return the step or raise the failure."""
-        return self.protected.result(timeout)
+        """Wait until protected; return the step or raise the failure (``TimeoutError`` if it
+        is neither protected nor failed within ``timeout`` seconds: it may still be)."""
+        try:
+            return self.protected.result(timeout)
+        except TimeoutError:
+            if self.protected.done():
+                raise  # the put's own failure
+            raise TimeoutError(
+                f"step {self.step} was not protected within {timeout} s (it may still be: wait "
+                "again; `ecsnap status` shows where its steps are)"
+            ) from None
 
     def __repr__(self) -> str:
         state = (
@@ -284,16 +294,16 @@ class Store:
 
         Raises now, before anything is stored: :class:`UnsupportedTypeError` (naming the key path),
         :class:`StepExistsError` (this rank already put ``step``), :class:`CapacityError` (over the
-        host's memory budget), ``ValueError`` for a negative or non-int step. Tensors must not
-        change until ``handle.staged`` resolves.
+        host's memory budget), ``ValueError`` for a step that is no int in 0..2**63 - 1. Tensors
+        must not change until ``handle.staged`` resolves.
 
         >>> h = store.put(10, {"w": torch.zeros(4)})   # doctest: +SKIP
         >>> h.wait()                                     # doctest: +SKIP
         10
         """
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an int in 0..{MAX_STEP} (2**63 - 1), got {step!r}")
         skeleton, leaves, nbytes = _state.flatten(state_dict)
         handle = SaveHandle(step)
         rank = self.rank if rank is None else rank
@@ -754,6 +764,8 @@ def connect(
         raise StorageError("rank and world_size unknown: pass them or set RANK and WORLD_SIZE")
     if not 0 <= rank < world_size:
         raise StorageError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
+    if world_size > MAX_WORLD:
+        raise StorageError(f"world_size {world_size} is over the {MAX_WORLD} ranks a job may have")
     root_path = Path(root or os.environ.get("ECSNAP_ROOT") or DEFAULT_ROOT)
     start = time.monotonic()
     host = discovery.host_of(job, root_path, rank, host or os.environ.get("ECSNAP_HOST"), timeout)

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from storage.errors import StorageError
+from storage.protocol import MAX_STEP
 
 __all__ = ["FORMS", "step_of", "valid"]
 
@@ -34,17 +35,23 @@ def step_of(checkpoint_id: Any) -> int:
     """The step ``checkpoint_id`` names; :class:`StorageError` naming the accepted forms."""
     if isinstance(checkpoint_id, bool) or checkpoint_id is None:
         raise StorageError(f"checkpoint id {checkpoint_id!r} names no ecsnap step: give {FORMS}")
+    step: int | None = None
     if isinstance(checkpoint_id, int):
-        if checkpoint_id < 0:
-            raise StorageError(f"checkpoint id {checkpoint_id!r}: steps are >= 0; give {FORMS}")
-        return checkpoint_id
-    if isinstance(checkpoint_id, (str, os.PathLike)):
+        step = checkpoint_id
+    elif isinstance(checkpoint_id, (str, os.PathLike)):
         path = os.fspath(checkpoint_id)
         text = path.decode(errors="replace") if isinstance(path, bytes) else path
         last = text.rstrip("/").rsplit("/", 1)[-1]
         found = _LAST.search(last)
         if found is not None:
-            return int(found.group(1))
+            step = int(found.group(1))
+    if step is not None:
+        if not 0 <= step <= MAX_STEP:
+            raise StorageError(
+                f"checkpoint id {checkpoint_id!r}: steps are 0..{MAX_STEP} (2**63 - 1); "
+                f"give {FORMS}"
+            )
+        return step
     raise StorageError(f"checkpoint id {checkpoint_id!r} names no ecsnap step: give {FORMS}")
 
 

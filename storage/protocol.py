@@ -94,6 +94,10 @@ class StepState(str, enum.Enum):
 
 LANES = 16  # steps in flight at once (staging, ready or encoding), job-wide
 NONE = np.iinfo(np.int64).min  # "no value" in a maximum
+# What the ballot's int64 fields can hold: a step (and its negation), a byte count; and the
+# ranks of a job, whose squares it sums (a million ranks sum to 3.7e17, 1/25 of what fits).
+MAX_STEP = int(np.iinfo(np.int64).max)
+MAX_WORLD = 1 << 20
 
 
 class Ballot:
@@ -492,6 +496,7 @@ REQUESTS: dict[str, Any] = {
     "info": PlainRequest,
 }
 _AT_LEAST = {"world_size": 1}  # other ints are >= 0
+_AT_MOST = {"world_size": MAX_WORLD, "rank": MAX_WORLD - 1}  # others fit an int64
 
 
 class RequestError(ValueError):
@@ -513,18 +518,18 @@ def parse_request(msg: dict[str, Any]) -> tuple[str, Any]:
             if key in kind.__required_keys__:
                 raise RequestError(f"request {op!r} lacks {key!r}")
             continue
-        if not _is(msg[key], tp, _AT_LEAST.get(key, 0)):
+        if not _is(msg[key], tp, _AT_LEAST.get(key, 0), _AT_MOST.get(key, MAX_STEP)):
             raise RequestError(
                 f"request {op!r}: {key} must be {_describe(tp, key)}, got {msg[key]!r}"
             )
     return str(op), msg
 
 
-def _is(value: Any, tp: Any, low: int) -> bool:
+def _is(value: Any, tp: Any, low: int, high: int = MAX_STEP) -> bool:
     if tp is int:
-        return type(value) is int and value >= low
+        return type(value) is int and low <= value <= high
     if tp is float:
-        return type(value) in (int, float) and value >= 0
+        return type(value) in (int, float) and 0 <= value <= MAX_STEP  # (not NaN, not inf)
     if tp is type(None):
         return value is None
     if tp in (str, bool):
@@ -536,13 +541,13 @@ def _is(value: Any, tp: Any, low: int) -> bool:
     if origin is dict:
         return type(value) is dict
     if origin in (Union, types.UnionType):
-        return any(_is(value, t, low) for t in get_args(tp))
+        return any(_is(value, t, low, high) for t in get_args(tp))
     return False
 
 
 def _describe(tp: Any, key: str) -> str:
     if tp is int:
-        return f"an int >= {_AT_LEAST.get(key, 0)}"
+        return f"an int in {_AT_LEAST.get(key, 0)}..{_AT_MOST.get(key, MAX_STEP)}"
     if get_origin(tp) in (Union, types.UnionType):
         return " or ".join(_describe(t, key) for t in get_args(tp))
     if tp is type(None):

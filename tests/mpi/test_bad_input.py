@@ -4,6 +4,7 @@ claiming one host, a client of another job, malformed and truncated files under 
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -70,7 +71,18 @@ def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path
         # frames that break the protocol: each refused by name, and the daemon serves on
         for frame, says in (
             ({"op": "alloc", "step": -1, "rank": 0, "world_size": 4, "nbytes": 1}, "step must"),
-            ({"op": "alloc", "step": 1, "rank": 0, "world_size": 0, "nbytes": 1}, ">= 1"),
+            ({"op": "alloc", "step": 1, "rank": 0, "world_size": 0, "nbytes": 1}, "in 1.."),
+            # past what the ballot's int64 fields hold: a rank of 2**40 reached the rounds (they
+            # sum each rank's square) and killed the job; a step of 2**70 hung its put
+            (
+                {"op": "alloc", "step": 1, "rank": 2**40, "world_size": 2**41, "nbytes": 1},
+                "rank must be an int in 0..1048575",
+            ),
+            (
+                {"op": "alloc", "step": 2**70, "rank": 0, "world_size": 4, "nbytes": 1},
+                "step must be an int in 0..9223372036854775807",
+            ),
+            ({"op": "wait", "step": 1, "timeout": math.nan}, "timeout must be"),
             ({"op": "get"}, "lacks 'rank'"),
             ({"op": "unlease", "buffers": [3]}, "buffers must be"),
             ({"op": "zap"}, "unknown request 'zap'"),

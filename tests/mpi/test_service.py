@@ -111,6 +111,30 @@ def test_bad_input_named_errors(shm_root: Path) -> None:
     assert errors["delete_twice"] == "ok"
 
 
+def test_the_largest_step_is_stored_and_larger_numbers_are_refused_by_the_client(
+    shm_root: Path,
+) -> None:
+    """The ballot holds steps (and their negation) and rank squares in int64 fields: the
+    largest step round-trips; a larger step or world size is refused before any request (the
+    daemon's own refusal of such frames: test_bad_input)."""
+    import torch
+
+    from storage.protocol import MAX_STEP
+
+    cluster = Cluster(shm_root, hosts=3, k=2, m=1)
+    try:
+        with pytest.raises(storage.StorageError, match="over the 1048576 ranks"):
+            storage.connect(cluster.job, rank=0, world_size=2**41, root=shm_root, host="host1")
+        with storage.connect(cluster.job, rank=0, world_size=1, root=shm_root, host="host1") as st:
+            with pytest.raises(ValueError, match=r"0\.\.9223372036854775807"):
+                st.put(MAX_STEP + 1, {"w": torch.ones(4)})
+            st.put(MAX_STEP, {"w": torch.arange(4.0)}).wait(60)
+            assert st.steps() == [MAX_STEP]
+            assert torch.equal(st.get(MAX_STEP)["w"], torch.arange(4.0))
+    finally:
+        assert cluster.stop() == 0, cluster.log.read_text()
+
+
 def test_hosts_that_cannot_form_groups_fail_at_start(shm_root: Path) -> None:
     cmd = launch.serve_command(5, "bad", shm_root, k=3, m=1)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
