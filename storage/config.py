@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -72,8 +73,10 @@ class ServeConfig:
             raise ConfigError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.repair not in ("chain", "star"):
             raise ConfigError(f"--repair must be chain or star, got {self.repair!r}")
-        if self.peer_timeout <= 0:
-            raise ConfigError("--peer-timeout must be positive")
+        if not 0 < self.peer_timeout < math.inf:  # (NaN too)
+            raise ConfigError(
+                f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}"
+            )
         if self.persist_dir is not None and self.persist_every < 1:
             raise ConfigError(
                 "--persist-dir needs --persist-every N >= 1 (persist steps N, 2N, ...)"

@@ -10,6 +10,7 @@ state stays on disk).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -29,11 +30,21 @@ __all__ = ["main", "parse_args"]
 
 
 def _parse_size(text: str) -> int:
+    """Bytes: ``1500000000``, or a number with a binary unit (``512M``, ``1.5GiB``, ``2tb``)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in units:
+            value = float(t[:-1])
+            if not math.isfinite(value):
+                raise ValueError(text)
+            return int(value * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no size: give bytes (1500000000) or a number with K, M, G or T "
+            "(512M, 1.5GiB)"
+        ) from None
 
 
 def parse_args(argv: Iterable[str] | None) -> ServeConfig:
