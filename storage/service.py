@@ -263,10 +263,19 @@ class Service:
         if table[0] + table[1] > nbytes:
             raise StorageError(f"bad request 'staged': table {table} lies past the shard's end")
         with h.lock:
-            name = h.pending.pop((step, rank), None)
-            h.pending_conn.pop((step, rank), None)
+            name = h.pending.get((step, rank))
             if not name or name != msg.get("buffer"):
                 raise StorageError(f"step {step} rank {rank} was not allocated on this host")
+            size = h.pool.get(name).size
+            if nbytes > size:
+                # its chunks would lie past the file's end, and the group's exchange would hang
+                # on them: the put stays allocated, for a staged that says what it copied
+                raise StorageError(
+                    f"bad request 'staged': nbytes {nbytes} is more than the {size} bytes of "
+                    f"the buffer alloc gave step {step} rank {rank}"
+                )
+            del h.pending[(step, rank)]
+            h.pending_conn.pop((step, rank), None)
             h.announced.add(step)
             t_alloc = h.t_alloc.get((step, rank))
             if t_alloc is not None:

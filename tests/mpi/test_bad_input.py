@@ -57,6 +57,37 @@ def test_odd_names_are_refused_by_name(shm_root: Path) -> None:
     assert out.returncode != 0 and "not allowed" in out.stderr, out.stderr
 
 
+def test_a_shard_staged_past_its_buffer_is_refused_and_the_job_serves_on(shm_root: Path) -> None:
+    """A ``staged`` whose nbytes ran past the buffer ``alloc`` gave was taken: its chunks lay
+    past the file's end, the group's exchange hung on them, and after the peer timeout the
+    storage job went down."""
+    import torch
+
+    cluster = Cluster(shm_root, hosts=3, k=2, m=1)
+    try:
+        sock = control.connect(shm_root / cluster.job / "host1" / "ctl.sock")
+        try:
+            hello = sock.request({"op": "hello", "job": cluster.job, "rank": 0})
+            assert hello is not None and hello["ok"], hello
+            put = {"step": 5, "rank": 0, "world_size": 1}
+            alloc = sock.request({"op": "alloc", "nbytes": 64, **put})
+            assert alloc is not None and alloc["ok"], alloc
+            staged = {"op": "staged", "buffer": alloc["buffer"], "table": [0, 8], **put}
+            reply = sock.request({**staged, "nbytes": 10**9})
+            assert reply is not None and not reply["ok"], reply
+            assert f"nbytes 1000000000 is more than the {alloc['size']} bytes" in reply["message"]
+            # the put is still allocated: it can be given up (or staged as it really is)
+            reply = sock.request({"op": "abort", "step": 5, "rank": 0})
+            assert reply is not None and reply["ok"], reply
+        finally:
+            sock.close()
+        with storage.connect(cluster.job, rank=0, world_size=1, host="host1", root=shm_root) as st:
+            st.put(5, {"w": torch.arange(8.0)}).wait(60)
+            assert torch.equal(st.get(5)["w"], torch.arange(8.0))
+    finally:
+        assert cluster.stop() == 0, cluster.log.read_text()
+
+
 def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     job = c.job
