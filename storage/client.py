@@ -15,7 +15,6 @@ Each rank puts only its own shard; a step becomes protected (visible to ``get``,
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import sys
 import threading
@@ -34,7 +33,7 @@ from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
 from storage.gpu import to_device
 from storage.protocol import MAX_STEP, MAX_WORLD
-from storage.table import aligned, digest
+from storage.table import aligned, digest, unpack_table
 from transport import control, shm
 from transport.errors import ProtocolError
 
@@ -544,7 +543,7 @@ class Store:
         if device is not None and str(device).startswith("cuda"):
             return self._getto_device(reply, device, rank)
         mm = self._map_reply(reply)
-        table = _table(mm, reply)
+        table = _table(mm, reply, rank)
         based = self._base_reply(table, rank, reply)
         base = self._map_reply(based) if based is not None else None
         return _state.unflatten_views(table["skeleton"], table["leaves"], mm, base)
@@ -590,7 +589,7 @@ class Store:
         import torch
 
         mapped = [self._pinned(reply)]
-        table = _table(mapped[0][1].array, reply)
+        table = _table(mapped[0][1].array, reply, rank)
         based = self._base_reply(table, rank, reply)
         if based is not None:
             mapped.append(self._pinned(based))
@@ -697,12 +696,11 @@ class Store:
         self.close()
 
 
-def _table(buffer: Any, reply: dict[str, Any]) -> dict[str, Any]:
+def _table(buffer: Any, reply: dict[str, Any], rank: int) -> dict[str, Any]:
     """The tensor table of the shard in ``buffer`` (where the get reply says it lies)."""
     at, length = reply["table"]
     raw = memoryview(buffer)[at : at + length]
-    table: dict[str, Any] = json.loads(bytes(raw))
-    return table
+    return unpack_table(bytes(raw), f"step {reply['step']} rank {rank}")
 
 
 _LIVE: weakref.WeakSet[Store] = weakref.WeakSet()

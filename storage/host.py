@@ -42,6 +42,7 @@ from storage.metrics import Latencies
 from storage.placement import Group, StripeLayout, default_km, make_groups
 from storage.pool import Buffer, Pool
 from storage.protocol import Event
+from storage.table import unpack_table
 from transport.mpi import Links
 
 __all__ = ["Host", "Local", "log"]
@@ -379,8 +380,7 @@ class Host:
         shard = rec.shards[rank]
         off, length = shard.table
         raw = self.pool.get(shard.buffer).file.array[off : off + length]
-        table: dict[str, Any] = json.loads(raw.tobytes())
-        return table
+        return unpack_table(raw.tobytes(), f"step {rec.step} rank {rank}")
 
     # -- health and latencies ----------------------------------------------------------------------
 

@@ -16,7 +16,18 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["ALIGN", "Leaf", "aligned", "digest", "pack_table", "table_place", "whole"]
+from storage.errors import StorageError
+
+__all__ = [
+    "ALIGN",
+    "Leaf",
+    "aligned",
+    "digest",
+    "pack_table",
+    "table_place",
+    "unpack_table",
+    "whole",
+]
 
 ALIGN = 64
 
@@ -76,6 +87,34 @@ def pack_table(skeleton: Any, leaves: list[dict[str, Any]], base: int | None = N
     if base is not None:
         body["base"] = base
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+_LEAF_KEYS = frozenset({"k", "dt", "sh", "o", "n"})
+
+
+def unpack_table(raw: bytes, where: str) -> dict[str, Any]:
+    """The tensor table :func:`pack_table` wrote, from ``raw``; a :class:`StorageError` naming
+    ``where`` (the step and rank) if the bytes are none. Only a writer other than
+    :mod:`storage.client` can store such a shard: the bytes a shard holds are checksummed and
+    erasure-coded, so what comes back is what was staged."""
+    try:
+        table = json.loads(raw)
+    except ValueError as exc:  # (UnicodeDecodeError too)
+        problem = f"does not parse ({exc})"
+    else:
+        leaves = table.get("leaves") if isinstance(table, dict) else None
+        if not isinstance(table, dict) or "skeleton" not in table:
+            problem = "is no object with a skeleton"
+        elif not isinstance(leaves, list) or not all(
+            isinstance(m, dict) and m.keys() >= _LEAF_KEYS for m in leaves
+        ):
+            problem = f"has leaves that are not each {{{', '.join(sorted(_LEAF_KEYS))}}}"
+        else:
+            return table
+    raise StorageError(
+        f"{where}: its tensor table {problem}; it was staged so by a writer other than "
+        "storage.client (or one that wrote past its leaves): put the step again"
+    )
 
 
 def digest(data: Any) -> str:

@@ -38,7 +38,7 @@ from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
 from storage.protocol import PersistFailed, ShardRecord, Staged
-from storage.table import pack_table, table_place, whole
+from storage.table import pack_table, table_place, unpack_table, whole
 from transport import shm
 
 __all__ = ["Tier"]
@@ -120,7 +120,7 @@ class Tier:
             for rank, shard, base in mine:
                 array = h.pool.get(shard.buffer).file.array
                 off, length = shard.table
-                meta = json.loads(array[off : off + length].tobytes())
+                meta = unpack_table(array[off : off + length].tobytes(), f"step {step} rank {rank}")
                 referred = None
                 if shard.base >= 0:
                     if base is None:
