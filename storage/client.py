@@ -131,6 +131,7 @@ class Store:
         self.host, self.root, self.timeout = host, root, timeout
         self.socket_path = host_dir(root, job, host) / "ctl.sock"
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child shares the socket, but not the threads
         self._stale = False  # the connection's last request timed out
         self._conn, info = self._handshake()
         self._maps: dict[str, shm.MappedFile] = {}
@@ -222,6 +223,7 @@ class Store:
         after reconnecting (a restarted daemon, within ``timeout``); anything else that loses
         its daemon raises :class:`DaemonUnavailableError`.
         """
+        self._check_process()
         try:
             if conn is not None:
                 reply = conn.request(message)
@@ -672,6 +674,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # the parent's connection and mappings: this process must not shut them
         with self._lock:
             waiters = list(self._waiters)
         for conn in waiters:
@@ -688,6 +692,17 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("this Store is closed")
+        self._check_process()
+
+    def _check_process(self) -> None:
+        """A Store serves the process that connected: a forked child (a data loader's worker)
+        would share its socket with the parent, their replies crossed, and has none of its
+        threads, so its puts would never stage."""
+        if os.getpid() != self._pid:
+            raise StorageError(
+                f"this Store was connected in process {self._pid}, and this is process "
+                f"{os.getpid()} (forked from it): call storage.connect() again in this process"
+            )
 
     def __enter__(self) -> Store:
         return self
@@ -711,6 +726,8 @@ def _say_what_was_abandoned() -> None:
     """At exit, name the steps staged here whose protection nobody waited for (their wait ran
     on a daemon thread, so the process did not hang on it)."""
     for store in list(_LIVE):
+        if store._pid != os.getpid():
+            continue  # a forked child's copy: the parent says what it abandoned
         steps = store._abandoned()
         if steps:
             print(

@@ -135,6 +135,46 @@ def test_the_largest_step_is_stored_and_larger_numbers_are_refused_by_the_client
         assert cluster.stop() == 0, cluster.log.read_text()
 
 
+def test_a_store_refuses_a_forked_child_and_serves_its_parent_on(shm_root: Path) -> None:
+    """A data loader's worker forked after connect shared the Store's socket: the parent read
+    the child's replies (a KeyError for 'steps'), and the child's put never staged (no
+    threads of the parent's pool live in a child). The child is told to connect again."""
+    import torch
+
+    cluster = Cluster(shm_root, hosts=3, k=2, m=1)
+    try:
+        with storage.connect(cluster.job, rank=0, world_size=1, root=shm_root, host="host1") as st:
+            st.put(1, {"w": torch.ones(4)}).wait(60)
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: every use of the parent's Store is refused, by name
+                said = b""
+                try:
+                    st.steps()
+                except storage.StorageError as exc:
+                    said = str(exc).encode()
+                try:
+                    st.put(2, {"w": torch.ones(4)})
+                except storage.StorageError as exc:
+                    said += b"|" + str(exc).encode()
+                st.close()  # (leaves the parent's connection alone)
+                os.write(write, said)
+                os._exit(0)
+            os.close(write)
+            for _ in range(50):  # while the child runs: every reply is this process's own
+                assert st.steps() == [1]
+            assert os.waitpid(pid, 0)[1] == 0
+            with os.fdopen(read, "rb") as f:
+                steps_said, put_said = f.read().decode().split("|")
+            for said in (steps_said, put_said):
+                assert f"connected in process {os.getpid()}, and this is process {pid}" in said
+                assert "storage.connect() again" in said
+            st.put(2, {"w": torch.arange(4.0)}).wait(60)
+            assert st.steps() == [1, 2] and torch.equal(st.get(2)["w"], torch.arange(4.0))
+    finally:
+        assert cluster.stop() == 0, cluster.log.read_text()
+
+
 def test_hosts_that_cannot_form_groups_fail_at_start(shm_root: Path) -> None:
     cmd = launch.serve_command(5, "bad", shm_root, k=3, m=1)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
