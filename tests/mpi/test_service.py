@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,9 @@ def test_a_store_refuses_a_forked_child_and_serves_its_parent_on(shm_root: Path)
         with storage.connect(cluster.job, rank=0, world_size=1, root=shm_root, host="host1") as st:
             st.put(1, {"w": torch.ones(4)}).wait(60)
             read, write = os.pipe()
-            pid = os.fork()
+            with warnings.catch_warnings():  # (3.12+ warns of forking a threaded process)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:  # the child: every use of the parent's Store is refused, by name
                 said = b""
                 try:
