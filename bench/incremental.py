@@ -246,9 +246,10 @@ def run(quick: bool = False) -> None:
     try:
         for keep in keeps:
             for tune in ("lora", "full"):
-                first = keep == keeps[0]
-                extra_modes = ["dcp"] + (["fixed"] if tune == "lora" else []) if first else []
-                for mode in ["incremental", "whole", *extra_modes]:
+                modes = ["incremental", "whole"]
+                if keep == keeps[0]:  # DCP, and (LoRA) the cost of any put: once is enough
+                    modes += ["dcp", "fixed"] if tune == "lora" else ["dcp"]
+                for mode in modes:
                     # a storage job of its own: what the last mode held (and the files made
                     # ahead for its sizes) is not in this one's memory
                     job = f"{tune}-{mode}-{keep}"
