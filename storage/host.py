@@ -41,7 +41,7 @@ from storage.faults import Hooks
 from storage.metrics import Latencies
 from storage.placement import Group, StripeLayout, default_km, make_groups
 from storage.pool import Buffer, Pool
-from storage.protocol import Event
+from storage.protocol import Event, ShardRecord
 from storage.table import unpack_table
 from transport.mpi import Links
 
@@ -377,10 +377,13 @@ class Host:
     def table(self, rec: StepRec, rank: int) -> dict[str, Any]:
         """The tensor table of ``rank``'s shard here (its structure, dtypes, shapes, offsets),
         read from the shard's own bytes."""
-        shard = rec.shards[rank]
+        return self.shard_table(rec.step, rank, rec.shards[rank])
+
+    def shard_table(self, step: int, rank: int, shard: ShardRecord) -> dict[str, Any]:
+        """The tensor table in the bytes of ``shard`` (rank ``rank``'s of ``step``), held here."""
         off, length = shard.table
         raw = self.pool.get(shard.buffer).file.array[off : off + length]
-        return unpack_table(raw.tobytes(), f"step {rec.step} rank {rank}")
+        return unpack_table(raw.tobytes(), f"step {step} rank {rank}")
 
     # -- health and latencies ----------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from storage.errors import CapacityError, StepNotFoundError, StorageError
 from storage.host import Host
 from storage.leases import PERSIST, Leases
 from storage.protocol import PersistFailed, ShardRecord, Staged
-from storage.table import pack_table, table_place, unpack_table, whole
+from storage.table import pack_table, table_place, whole
 from transport import shm
 
 __all__ = ["Tier"]
@@ -119,8 +119,7 @@ class Tier:
             written = 0
             for rank, shard, base in mine:
                 array = h.pool.get(shard.buffer).file.array
-                off, length = shard.table
-                meta = unpack_table(array[off : off + length].tobytes(), f"step {step} rank {rank}")
+                meta = h.shard_table(step, rank, shard)
                 referred = None
                 if shard.base >= 0:
                     if base is None:
@@ -129,7 +128,7 @@ class Tier:
                 entry = persist.write_rank(
                     partial / f"rank-{rank}.safetensors",
                     meta,
-                    array[:off],
+                    array[: shard.table[0]],
                     self._yield_to_puts,
                     base=referred,
                 )
