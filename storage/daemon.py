@@ -48,6 +48,7 @@ from storage.service import Service
 from storage.tier import Tier
 from storage.warm import Warmer
 from transport.control import Server
+from transport.mpi import single_copy_off
 
 __all__ = ["Daemon"]
 
@@ -139,12 +140,34 @@ class Daemon:
             except OSError as exc:
                 raise ConfigError(f"cannot serve metrics on port {port}: {exc}") from exc
         h.links.barrier("start-up")
+        if config.virtual_hosts is not None and h.rank == 0:
+            self._warn_two_copies()
         h.log(
             f"ready: job {config.job} slot {h.slot}/{h.nslots} "
             f"group {h.group.index} RS({h.group.k},{h.group.m}) "
             f"chunks up to {h.chunk_bytes} B, {len(h.catalog.protected())} protected step(s), "
             f"socket {h.dir / 'ctl.sock'}"
             + (f", metrics on :{self.endpoint.port}" if self.endpoint.port else "")
+        )
+
+    def _warn_two_copies(self) -> None:
+        """Say so when MPICH will move the virtual hosts' bytes in two copies (see
+        :func:`transport.mpi.single_copy_off`): puts between them take 10-20x longer."""
+        from mpi4py import MPI
+
+        why = single_copy_off(MPI.Get_library_version())
+        if why is None:
+            return
+        fix = (
+            f"unset {why.split('=')[0]} to use it"
+            if "=" in why
+            else "`sudo sysctl kernel.yama.ptrace_scope=0` allows it until the next boot, where "
+            "the machine's owner accepts that"
+        )
+        self.host.log(
+            f"warning: MPICH moves the bytes between these virtual hosts in two copies ({why}), "
+            "not with its single-copy path (CMA, which needs ptrace permission between the "
+            f"daemons), so puts take 10-20x longer than they need; {fix}"
         )
 
     def run(self) -> int:

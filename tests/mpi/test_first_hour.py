@@ -75,3 +75,35 @@ def test_a_script_ending_with_a_put_in_flight_exits_and_says_what_it_abandoned(
         assert "abandoned" in out.stderr
     finally:
         assert c.stop() == 0
+
+
+def test_virtual_hosts_warn_when_mpich_moves_their_bytes_in_two_copies(shm_root: Path) -> None:
+    """With MPICH's single-copy path off (here by its own variable; on Ubuntu by Yama's
+    ptrace_scope), puts between virtual hosts take 10-20x longer: the daemons say so, and why,
+    and serve on; with it on, nothing is said."""
+    import torch
+
+    from transport.mpi import single_copy_off
+
+    warning = "warning: MPICH moves the bytes between these virtual hosts in two copies"
+    off = Cluster(shm_root, hosts=2, k=1, m=1, env={"MPIR_CVAR_CH4_CMA_ENABLE": "0"})
+    try:
+        text = off.log.read_text()
+        assert text.count(warning) == 1, text  # one line for the machine, not one per daemon
+        assert "(MPIR_CVAR_CH4_CMA_ENABLE=0 is set)" in text
+        assert "unset MPIR_CVAR_CH4_CMA_ENABLE to use it" in text
+        stores = off.stores(2)
+        state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+        for h in [s.put(3, state) for s in stores]:
+            h.wait(60)
+        assert torch.equal(stores[1].get(3)["w"], state["w"])
+        for s in stores:
+            s.close()
+    finally:
+        assert off.stop() == 0
+    if single_copy_off("MPICH") is None:  # the venv's MPI is the mpich wheel's; CMA allowed here
+        on = Cluster(shm_root, hosts=2, k=1, m=1)
+        try:
+            assert warning not in on.log.read_text()
+        finally:
+            assert on.stop() == 0
