@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,6 +118,48 @@ def test_a_take_finishes_a_file_the_warmer_paused_on(host_dir: Path) -> None:
     assert pool.fresh_bytes == 1 << 20  # only the piece that was missing
     got.file.array[-1] = 7  # allocated and mapped to its end
     assert pool.advance(made.name, _never_pause) is False  # taken: the warmer lets go
+
+
+def test_a_take_waits_for_the_piece_the_warmer_is_faulting_in_and_finishes_the_file(
+    host_dir: Path,
+) -> None:
+    """A take that comes while the warmer faults in a piece of the one file it could use waits
+    for that piece, then faults in only the rest; it does not make (and fault in) a whole new
+    file beside it."""
+    pool = Pool(host_dir, budget=None)
+    size = (64 << 20) + (1 << 20)
+    real_fault = pool._fault
+    in_piece, go_on = threading.Event(), threading.Event()
+
+    def held_fault(buf: Any, start: int, end: int, threads: int | None = None) -> None:
+        if threads == 1:  # the warmer's piece: held here until the take is waiting
+            in_piece.set()
+            assert go_on.wait(30)
+        real_fault(buf, start, end, threads)
+
+    pool._fault = held_fault  # type: ignore[method-assign]
+    pauses = []
+
+    def pause_after_one() -> bool:
+        pauses.append(1)
+        return len(pauses) == 1  # one piece, then live work: the warmer stops
+
+    warmer = threading.Thread(target=pool.make, args=(size, "p", pause_after_one))
+    warmer.start()
+    assert in_piece.wait(30)
+    (made,) = (pool.files[n] for n in pool.partial)  # made, its first piece in progress
+    got: list[Any] = []
+    taker = threading.Thread(target=lambda: got.append(pool.take(size, "p")))
+    taker.start()
+    taker.join(0.5)
+    assert taker.is_alive(), "the take did not wait for the piece in progress"
+    assert pool.fresh_bytes == 0 and list(pool.files) == [made.name]
+    go_on.set()
+    taker.join(30)
+    warmer.join(30)
+    assert got[0].name == made.name and made.name not in pool.partial
+    assert pool.fresh_bytes == 1 << 20  # only what the warmer had not faulted in
+    assert pool.ahead_bytes == 64 << 20 and not pool.advancing
 
 
 def test_a_reserve_file_turns_into_the_file_a_take_needs(host_dir: Path) -> None:
