@@ -121,8 +121,6 @@ class Exchange:
         t_encode = 0.0
         helpers = rs.helper_seconds()  # the codec's helper threads' CPU is charged to encode
 
-        data_sends: list[Any] = []  # every window's, waited for at the end (see below)
-
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
             """Post the receive of stripe s's data chunk j into ``dst``; zero its virtual pad."""
             dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
@@ -136,11 +134,11 @@ class Exchange:
             i = layout.parity_slot(pos, s)
             return parity[i * cb : (i + 1) * cb]
 
-        def post(w0: int) -> tuple[list[Any], list[Any], list[int]]:
-            """Post window ``w0``'s data sends (added to ``data_sends``) and receives (returned)
-            and its parity receives."""
+        def post(w0: int) -> tuple[list[Any], list[Any], list[Any], list[int]]:
+            """Post window ``w0``'s data receives and sends and its parity receives."""
             data_scratch, _ = sets[(w0 // window) % 2]
             data_recvs: list[Any] = []
+            data_sends: list[Any] = []
             parity_reqs: list[Any] = []
             mine_to_encode = []
             for s in range(w0, min(w0 + window, layout.stripes)):
@@ -164,7 +162,7 @@ class Exchange:
                         data_recvs += receive_data(s, j, data_scratch[row0 + j])
                 elif pos in ppos and parity is not None:
                     parity_reqs += links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
-            return data_recvs, parity_reqs, mine_to_encode
+            return data_recvs, data_sends, parity_reqs, mine_to_encode
 
         # Pairs post each tag's messages in stripe order on both sides (windows in order, parity
         # sends after their encode), so MPI's non-overtaking rule still matches them without
@@ -177,17 +175,20 @@ class Exchange:
         # behind them (bench store --lab, RS(2,2): 0.11-0.13 s a window of 24 MiB per link at
         # 2 Gbit/s, whose floor is 0.1 s).
         #
-        # A window waits for its data receives alone; the data sends are waited for once, at
-        # the end: they read the shard, which nothing writes during the exchange. Waiting for
-        # each window's sends too held a host's next windows back until every receiver had
-        # copied its chunks and this host's own polls (napping ones, once only sends were left)
-        # had seen it: between virtual hosts MPICH's single-copy path has the receiver copy.
-        # Two alternated pairs of 6 puts, 4 virtual hosts on 2 cores, RS(3,1), 1.5 GB:
-        # put->protected 0.490-0.495 s against 0.602-0.615 s, CPU per protected GB 0.63-0.64 s
-        # against 0.68 (in send waits: 0.005 against 0.068).
+        # Between virtual hosts a window waits for its data receives alone, and the data sends
+        # are waited for once, at the end: they read the shard, which nothing writes during the
+        # exchange. There MPICH's single-copy path has the receiver copy, and a host waiting for
+        # each window's sends too held its next windows back until every receiver had copied
+        # and its own napping polls had seen it. Two alternated pairs of 6 puts, 4 virtual hosts
+        # on 2 cores, RS(3,1), 1.5 GB: put->protected 0.490-0.495 s against 0.602-0.615 s, CPU
+        # per protected GB 0.63-0.64 s against 0.68 (in send waits: 0.005 against 0.068). Over
+        # a network each window still waits for its sends, which paces the links alike: waiting
+        # once at the end there (bench store --lab, one run) made 2-way replication 5 % slower
+        # (2.64 s against 2.47-2.51) and RS(2,2) 2 % (2.78 s against 2.72-2.74).
         starts = list(range(0, layout.stripes, window))
         posted = {wi: post(w0) for wi, w0 in enumerate(starts[:2])}
         parity_wait: dict[int, list[Any]] = {}
+        sends_left: list[Any] = []  # between virtual hosts: every window's data sends
         h.phase("sending")
 
         def wait_parity(wi: int) -> None:
@@ -200,10 +201,12 @@ class Exchange:
             )
 
         for wi, w0 in enumerate(starts):
-            data_recvs, parity_reqs, mine_to_encode = posted.pop(wi)
+            data_recvs, data_sends, parity_reqs, mine_to_encode = posted.pop(wi)
             data_scratch, out_scratch = sets[wi % 2]
+            if h.spin:
+                sends_left += data_sends
             links.wait(
-                data_recvs,
+                data_recvs if h.spin else data_recvs + data_sends,
                 f"data exchange of step {rec.step}",
                 busy=h.spin,
                 nap=nap,
@@ -229,7 +232,7 @@ class Exchange:
         for wi in sorted(parity_wait):
             wait_parity(wi)
         links.wait(
-            data_sends,
+            sends_left,
             f"data exchange of step {rec.step}",
             busy=h.spin,
             nap=nap,
