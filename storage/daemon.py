@@ -155,15 +155,10 @@ class Daemon:
         :func:`transport.mpi.single_copy_off`): puts between them take 10-20x longer."""
         from mpi4py import MPI
 
-        why = single_copy_off(MPI.Get_library_version())
-        if why is None:
+        off = single_copy_off(MPI.Get_library_version())
+        if off is None:
             return
-        fix = (
-            f"unset {why.split('=')[0]} to use it"
-            if "=" in why
-            else "`sudo sysctl kernel.yama.ptrace_scope=0` allows it until the next boot, where "
-            "the machine's owner accepts that"
-        )
+        why, fix = off
         self.host.log(
             f"warning: MPICH moves the bytes between these virtual hosts in two copies ({why}), "
             "not with its single-copy path (CMA, which needs ptrace permission between the "

@@ -353,9 +353,10 @@ def _byte() -> Any:
 
 def single_copy_off(
     library: str, environ: Mapping[str, str] = os.environ, yama: Path = YAMA_PTRACE
-) -> str | None:
+) -> tuple[str, str] | None:
     """Why MPICH (``library``: ``MPI.Get_library_version()``) moves bulk bytes between the
-    processes of one machine in two copies, or None where nothing says it does.
+    processes of one machine in two copies, and what turns its single-copy path on; None where
+    nothing says it does.
 
     MPICH's single-copy path (CMA: the receiver reads the sender's memory with
     ``process_vm_readv``) needs ptrace permission between the processes, so MPICH turns it off
@@ -371,11 +372,15 @@ def single_copy_off(
     for name in CMA_VARIABLES:
         value = environ.get(name, "").strip().lower()
         if value in ("0", "no", "false", "off"):
-            return f"{name}={environ[name]} is set"
+            return f"{name}={environ[name]} is set", f"unset {name} to use it"
     try:
         scope = yama.read_text().strip()
     except OSError:  # no Yama: nothing restricts ptrace beyond the usual same-user rule
         return None
     if scope != "0":
-        return f"kernel.yama.ptrace_scope is {scope}"
+        return (
+            f"kernel.yama.ptrace_scope is {scope}",
+            "`sudo sysctl kernel.yama.ptrace_scope=0` allows it until the next boot, where the "
+            "machine's owner accepts that",
+        )
     return None

@@ -24,11 +24,16 @@ def test_the_reasons_mpich_turns_its_single_copy_path_off(tmp_path: Path) -> Non
     assert single_copy_off(MPICH, {}, none) is None
     assert single_copy_off(MPICH, {}, zero) is None
     # Ubuntu's default: MPICH turns CMA off
-    assert single_copy_off(MPICH, {}, one) == "kernel.yama.ptrace_scope is 1"
+    off = single_copy_off(MPICH, {}, one)
+    assert off is not None and off[0] == "kernel.yama.ptrace_scope is 1"
+    assert "sysctl kernel.yama.ptrace_scope=0" in off[1]
     # the user turned it off, by any of MPICH's spellings of the variable
     for name in ("MPIR_CVAR_CH4_CMA_ENABLE", "MPICH_CH4_CMA_ENABLE"):
         for value in ("0", "no", "False"):
-            assert single_copy_off(MPICH, {name: value}, zero) == f"{name}={value} is set"
+            assert single_copy_off(MPICH, {name: value}, zero) == (
+                f"{name}={value} is set",
+                f"unset {name} to use it",
+            )
     # turned on by the user, yet Yama forbids it: still off
     assert single_copy_off(MPICH, {"MPIR_CVAR_CH4_CMA_ENABLE": "1"}, one) is not None
     assert single_copy_off(MPICH, {"MPIR_CVAR_CH4_CMA_ENABLE": "1"}, zero) is None
