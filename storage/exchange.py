@@ -119,6 +119,7 @@ class Exchange:
         # 0.154), where it had been kept. Over TCP the kernel copies either way.
         clock = h.cpu
         t_encode = 0.0
+        hot_crc: dict[int, int] = {}  # parity slot -> CRC of the parity this host encoded there
         helpers = rs.helper_seconds()  # the codec's helper threads' CPU is charged to encode
 
         def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
@@ -222,6 +223,12 @@ class Exchange:
                 with clock.phase("encode"):
                     rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
                 t_encode += time.perf_counter() - t0
+                # Its CRC now, while encode_into's output is in cache, not read back from memory
+                # at the end (ISA-L's CRC runs at memory speed there: 16.5 GB/s against 59-79
+                # from L2). Two alternated pairs of 8 puts, 4 virtual hosts, RS(3,1), 1.5 GB:
+                # checksum 0.082-0.083 CPU s per protected GB against 0.088-0.090.
+                with clock.phase("checksum"):
+                    hot_crc[layout.parity_slot(pos, s)] = checksum(outs[e])
                 ppos = layout.parity_positions(s)
                 for i in range(m):
                     if i != e:
@@ -248,7 +255,10 @@ class Exchange:
         h.stats["encode_seconds"] += t_encode
         n = len(layout.parity_stripes[pos])
         if parity is not None:
-            loc.parity_crc = self._checksums([parity[i * cb : (i + 1) * cb] for i in range(n)])
+            cold = [i for i in range(n) if i not in hot_crc]  # received (m > 1), or copies
+            crcs = self._checksums([parity[i * cb : (i + 1) * cb] for i in cold])
+            hot_crc.update(zip(cold, crcs, strict=True))
+            loc.parity_crc = [hot_crc[i] for i in range(n)]
         if loc.crc_job is not None:
             loc.data_crc = loc.crc_job.result()
         loc.t["stored"] = time.monotonic()
