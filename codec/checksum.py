@@ -1,4 +1,5 @@
-"""Chunk checksums: CRC-32 (zlib's polynomial) through the ``isal`` package, ~90 GB/s here."""
+"""Chunk checksums: CRC-32 (zlib's polynomial) through the ``isal`` package: 59-79 GB/s of bytes in
+L2 here, 16.5 GB/s of bytes read from memory (it runs at memory speed)."""
 
 from __future__ import annotations
 
