@@ -31,22 +31,49 @@ def mpiexec() -> str:
     return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
-def sweep_hydra_files(since: float) -> list[str]:
+SETTLE = 10.0  # seconds a sweep waits for the proxies of a killed mpiexec to exit
+
+
+def sweep_hydra_files(since: float, settle: float = SETTLE) -> list[str]:
     """Remove the topology files of Hydra proxies that were SIGKILLed (the tests and benchmarks
     kill storage jobs on purpose): those modified at or after ``since`` (a ``time.time()``) that
-    no live process holds open. Returns the paths removed."""
+    no live process holds open. Returns the paths removed.
+
+    Hydra starts each proxy (and each rank) in a session of its own, so a ``killpg`` of
+    mpiexec's reaches mpiexec alone; its proxies exit once they see it gone, a moment later, and
+    leave their files. A sweep run right after found such a file still held and kept it (2 of 20
+    jobs killed and swept at once). So a file whose holders all have no mpiexec above them any
+    more is waited for, up to ``settle`` seconds; one a running job's proxy holds is kept at once.
+    """
     # the candidates first: a proxy that starts after this glob makes a file it does not list,
     # and one that started before holds its file open from creation (mkstemp) while it runs
-    candidates = []
-    for path in Path("/").glob(HYDRA_TOPOLOGY.lstrip("/")):
+    candidates: list[str] = []
+    for found in Path("/").glob(HYDRA_TOPOLOGY.lstrip("/")):
         try:
-            if path.stat().st_mtime >= since:
-                candidates.append(path)
+            if found.stat().st_mtime >= since:
+                candidates.append(str(found))
         except FileNotFoundError:
             continue
     if not candidates:
         return []
-    held = set()
+    deadline = time.monotonic() + settle
+    while True:
+        held = _holders(candidates)
+        exiting = [p for p in candidates if held[p] and not any(map(_under_mpiexec, held[p]))]
+        if not exiting or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    removed = []
+    for path in candidates:
+        if not held[path]:
+            Path(path).unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _holders(paths: Sequence[str]) -> dict[str, set[int]]:
+    """The PIDs that hold each of ``paths`` open (of the processes /proc lets this one read)."""
+    held: dict[str, set[int]] = {p: set() for p in paths}
     for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         try:
             fds = list(fd_dir.iterdir())
@@ -54,15 +81,29 @@ def sweep_hydra_files(since: float) -> list[str]:
             continue
         for fd in fds:
             try:
-                held.add(os.readlink(fd))
+                target = os.readlink(fd)
             except OSError:
                 continue
-    removed = []
-    for path in candidates:
-        if str(path) not in held:
-            path.unlink(missing_ok=True)
-            removed.append(str(path))
-    return removed
+            if target in held:
+                held[target].add(int(fd_dir.parent.name))
+    return held
+
+
+def _under_mpiexec(pid: int) -> bool:
+    """Whether a live mpiexec (or mpirun) is among ``pid``'s ancestors: False for a proxy whose
+    mpiexec was killed (it was handed to init or a subreaper) and for a process that is gone."""
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        if name.startswith(("mpiexec", "mpirun")):
+            return True
+        pid = int(rest.split()[1])  # the parent's (field 4; the state is field 3)
+    return False
 
 
 @contextlib.contextmanager
