@@ -3,8 +3,10 @@
     proc = launch.start(4, "myjob", root, log, virtual_hosts=["host0", ...], k=3, m=1)
 
 runs ``mpiexec -n 4 <python> -m storage.cli serve --job myjob --root ROOT --virtual-hosts ...``
-in its own process session (so one ``killpg`` stops it all) and returns once every daemon has
-logged its ``ready:`` line.
+in its own process session and returns once every daemon has logged its ``ready:`` line. One
+``killpg`` of that session stops it all, though not at once: Hydra starts each proxy and each rank
+in a session of its own, so the signal reaches mpiexec alone, and its proxies stop their ranks and
+exit when they see it gone, a moment later (see :func:`sweep_hydra_files`).
 """
 
 from __future__ import annotations
