@@ -23,6 +23,7 @@ lock. No I/O here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,11 +162,29 @@ class Catalog:
         rec.shards[shard.rank] = shard
         return old
 
-    def stored(self, slot: int, step: int, parity: str | None, crc: dict[str, Any]) -> None:
+    def stored(
+        self,
+        slot: int,
+        step: int,
+        parity: str | None,
+        crc: dict[str, Any],
+        data_crc: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """A group member's exchange is done: its parity's name and checksums, and the checksums
+        of the data chunks it encoded (``[slot, chunk, crc]``: each of other hosts), in any
+        order among the members' (see :class:`storage.protocol.Stored`)."""
         rec = self.steps.get(step)
         if rec is None or rec.state != StepState.ENCODING:
             return
-        rec.stored[slot] = crc
+        mine = rec.stored.setdefault(slot, {"data": [], "parity": []})
+        mine["parity"] = list(crc.get("parity", []))
+        if crc.get("data"):  # copies: the host's own
+            mine["data"] = list(crc["data"])
+        for of, c, value in data_crc:
+            data = rec.stored.setdefault(of, {"data": [], "parity": []})["data"]
+            if len(data) <= c:
+                data.extend([-1] * (c + 1 - len(data)))
+            data[c] = value
         if parity:
             rec.parity[slot] = parity
 

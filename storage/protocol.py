@@ -242,13 +242,18 @@ class Prepared(Event):
 
 @dataclass(frozen=True)
 class Stored(Event):
-    """This daemon's part of the exchange is done (ballot: counted; group: names, checksums)."""
+    """This daemon's part of the exchange is done (ballot: counted; group: names, checksums).
+
+    ``crc`` holds the checksums of this host's parity chunks and, with copies (k = 1), of its
+    data chunks; ``data_crc`` those of the other hosts' data chunks this host encoded, as
+    ``[slot, chunk, crc]``."""
 
     kind: ClassVar[str] = "stored"
     step: int
     parity: str | None
     crc: dict[str, list[int]]
     parity_bytes: int
+    data_crc: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,13 @@ class Rounds:
                 loc.buffers[shard.rank] = shard.buffer
                 loc.t.setdefault("staged", time.monotonic())
         elif kind == "stored":
-            h.catalog.stored(slot, int(raw["step"]), raw.get("parity"), raw.get("crc", {}))
+            h.catalog.stored(
+                slot,
+                int(raw["step"]),
+                raw.get("parity"),
+                raw.get("crc", {}),
+                raw.get("data_crc", []),
+            )
         elif kind == "pin":
             h.catalog.pin(int(raw["step"]), int(raw["rank"]), int(raw["base"]))
         elif kind == "unpin":

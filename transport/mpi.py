@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,7 @@ class Links:
         busy: bool = False,
         nap: float | None = None,
         transfer: bool = False,
+        arrived: Callable[[Any], None] | None = None,
     ) -> None:
         """Complete every request or raise :class:`PeerTimeoutError` after ``timeout``.
 
@@ -119,6 +120,10 @@ class Links:
 
         With a ``clock``, the wait's CPU time is charged to ``polling``; a transfer's to
         ``receive``, then ``send``.
+
+        ``arrived`` is called with each receive of a ``busy`` transfer as the wait sees it
+        complete, while the bytes MPI has just copied are in this core's cache; a wait that is not
+        ``busy`` does not call it.
         """
         if not requests:
             return
@@ -136,7 +141,7 @@ class Links:
             receives = [r for r in reqs if id(r) in self._receives]
             with self._phase("receive"):
                 if busy:
-                    self._drain(receives, what, limit, deadline)
+                    self._drain(receives, what, limit, deadline, arrived)
                 else:
                     self._wait(receives, what, limit, deadline, nap)
             with self._phase("send"):
@@ -177,10 +182,18 @@ class Links:
     def _phase(self, name: str) -> Any:
         return contextlib.nullcontext() if self.clock is None else self.clock.phase(name)
 
-    def _drain(self, reqs: list[Any], what: str, limit: float, deadline: float) -> None:
+    def _drain(
+        self,
+        reqs: list[Any],
+        what: str,
+        limit: float,
+        deadline: float,
+        arrived: Callable[[Any], None] | None = None,
+    ) -> None:
         """A busy wait for bulk receives that naps while nothing arrives: spinning while pieces
         complete, ``TRANSFER_NAP`` sleeps once none has for ``TRANSFER_STALL`` (the sender is not
-        sending yet: encoding, copying, or waiting for a core)."""
+        sending yet: encoding, copying, or waiting for a core). ``arrived`` gets each request as
+        it completes (see :meth:`wait`)."""
         from mpi4py import MPI
 
         pending = list(reqs)
@@ -190,8 +203,14 @@ class Links:
         while pending:
             done = MPI.Request.Testsome(pending)
             if done is None:
-                return  # every request was complete already
+                if arrived is not None:  # every request was complete already
+                    for r in pending:
+                        arrived(r)
+                return
             if done:
+                if arrived is not None:
+                    for i in done:
+                        arrived(pending[i])
                 gone = set(done)
                 pending = [r for i, r in enumerate(pending) if i not in gone]
                 tries, stalled, napping = 0, None, False

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,29 @@ def _data_file(root: Path, job: str, host: str, step: int, rank: int) -> Path:
     return root / job / host / "data" / shard["buffer"]
 
 
+def _assert_data_crcs(root: Path, job: str, hosts: list[str], step: int) -> int:
+    """Each host's manifest of ``step`` names the CRC of every data chunk of the group, and each
+    is the CRC of that chunk's bytes in its host's data file (an erasure-coded chunk's is taken by
+    its stripe's encoder as it arrives, a copy's by its own host). Returns how many it checked."""
+    checked = 0
+    for host in hosts:
+        m = _manifest(root, job, host, step)
+        cb, slots = m["step_chunk_bytes"], m["groups"][m["group"]]["slots"]
+        shards = {int(s["rank"]): s for s in m["shards"]}
+        for slot in slots:
+            mine = tuple((r, s["nbytes"]) for r, s in shards.items() if s["slot"] == slot)
+            crcs = m["crc"][str(slot)]["data"]
+            chunks = HostBlob(mine, cb).chunks
+            assert len(crcs) == len(chunks), (host, slot, len(crcs), len(chunks))
+            for c, ref in enumerate(chunks):
+                path = root / job / m["hosts"][slot] / "data" / shards[ref.rank]["buffer"]
+                with path.open("rb") as f:
+                    f.seek(ref.offset)
+                    assert zlib.crc32(f.read(ref.length)) == crcs[c], (host, slot, c)
+                checked += 1
+    return checked
+
+
 def test_playbook_k3_m1(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
@@ -50,6 +74,7 @@ def test_playbook_k3_m1(shm_root: Path) -> None:
             per_host=1,
             params={"steps": [1, 2], "partial": [3], "partial_ranks": [0, 1]},
         )
+        assert _assert_data_crcs(shm_root, c.job, HOSTS, 2) > 4 * 4
         # a trainer crash: a new process reads from its own host's memory, no network
         [r] = trainers(
             c, "check", world=4, per_host=1, only=[0], params={"steps": [2], "ranks": [0]}
@@ -130,6 +155,7 @@ def test_playbook_k2_m2_two_losses_permuted_slots_new_host(shm_root: Path) -> No
     c = Cluster(shm_root, hosts=4, k=2, m=2)
     try:
         trainers(c, "put", world=8, per_host=2, params={"steps": [5, 6]})
+        assert _assert_data_crcs(shm_root, c.job, HOSTS, 6) > 4 * 4
         # two hosts of a k=2 m=2 group at once
         c.kill()
         shutil.rmtree(shm_root / c.job / "host0")
@@ -262,6 +288,7 @@ def test_replication_k1_keeps_copies_and_survives_m_losses(shm_root: Path) -> No
         trainers(c, "put", world=6, per_host=2, params={"steps": [1, 2]})
         [r] = trainers(c, "check", world=6, per_host=2, only=[0], params={"steps": [2]})
         assert r["errors"] == {} and r["info"]["stats"]["encode_bytes"] == 0, r
+        assert _assert_data_crcs(shm_root, c.job, HOSTS[:3], 2) > 3 * 3
         c.kill()
         m = _manifest(shm_root, c.job, "host0", 2)
         assert m["step_chunk_bytes"] == cb  # 2.7 MB blobs: cut no finer than --chunk-bytes

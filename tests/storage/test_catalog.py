@@ -198,3 +198,34 @@ def test_a_referenced_step_is_pinned_then_freed() -> None:
     cat.delete(3)
     assert 3 not in cat.steps
     assert cat.release_pins() == [2] and cat.steps == {}
+
+
+def test_data_checksums_from_the_encoders_join_each_hosts_own_in_any_order() -> None:
+    """An encoder reports the CRCs of the other hosts' data chunks it encoded; its Stored may
+    come before or after theirs, and a host's own Stored (no data CRCs with erasure coding)
+    leaves what the encoders gave."""
+    for first in (0, 1):
+        cat = catalog(slots=3)
+        assert cat.assign(1) is not None
+        cat.count(staged(cat, 1, [0, 1, 2], 3))
+        cat.count(counts(cat, 1, Ballot.PREPARED, 3))
+        assert cat.steps[1].state == StepState.ENCODING
+        events = [
+            (2, "p2", {"data": [], "parity": [22]}, [[0, 1, 101], [1, 0, 110], [0, 0, 100]]),
+            (0, "p0", {"data": [], "parity": [20]}, [[1, 1, 111]]),
+        ]
+        for slot, parity, crc, data_crc in events[first:] + events[:first]:
+            cat.stored(slot, 1, parity, crc, data_crc)
+        cat.stored(1, 1, None, {"data": [], "parity": []})
+        stored = cat.steps[1].stored
+        assert stored[0] == {"data": [100, 101], "parity": [20]}, first
+        assert stored[1] == {"data": [110, 111], "parity": []}, first
+        assert stored[2] == {"data": [], "parity": [22]}, first
+        assert cat.steps[1].parity == {2: "p2", 0: "p0"}
+    # copies (k = 1): a host reports its own data CRCs
+    cat = catalog(slots=2)
+    assert cat.assign(1) is not None
+    cat.count(staged(cat, 1, [0, 1], 2))
+    cat.count(counts(cat, 1, Ballot.PREPARED, 2))
+    cat.stored(0, 1, "p0", {"data": [7, 8], "parity": [9]})
+    assert cat.steps[1].stored[0] == {"data": [7, 8], "parity": [9]}

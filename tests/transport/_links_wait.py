@@ -3,7 +3,8 @@
 Rank 1 joins late (``late`` seconds, sleeping); rank 0 waits for it with
 :meth:`transport.mpi.Links.wait` as a round does (``busy``: a control wait) and as a bulk
 receive does (``busy``, ``transfer``), and prints its CPU and wall seconds for each, as one JSON
-line. Then both swap bytes with ``transfer`` waits under a clock, to show which phases got them.
+line. Then both swap bytes with ``transfer`` waits under a clock, to show which phases got them,
+and once more in pieces, to show that ``arrived`` sees each receive as it completes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ def main() -> int:
     links.wait([comm.Ibarrier()], "after the swap")
     assert int(into[0]) == peer + 1
     out["phases"] = clock.totals()
+    # a swap in 1 MiB pieces: ``arrived`` sees each receive piece once, done, and no send
+    pieces = Links(comm, timeout=30.0, piece_bytes=1 << 20)
+    into[:] = 0
+    sends, receives = pieces.isend(data, peer, 7), pieces.irecv(into, peer, 7)
+    seen: list[int] = []
+
+    def arrived(req: object) -> None:
+        assert req in receives and id(req) not in seen
+        seen.append(id(req))
+
+    pieces.wait(sends + receives, "swap in pieces", busy=True, transfer=True, arrived=arrived)
+    comm.Barrier()
+    assert int(into.min()) == int(into.max()) == peer + 1
+    out["arrived"] = {"calls": len(seen), "receives": len(receives)}
     if rank == 0:
         print(json.dumps(out), flush=True)
     return 0

@@ -29,3 +29,4 @@ def test_busy_waits_nap_once_their_peer_is_late() -> None:
     assert transfer["cpu"] < 0.3 * transfer["wall"], transfer
     phases = out["phases"]  # the swap (its bytes checked) under a clock
     assert phases["receive"] > 0 and phases["send"] > 0 and phases["polling"] > 0
+    assert out["arrived"] == {"calls": 8, "receives": 8}, out["arrived"]
