@@ -59,6 +59,20 @@ def _until(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def _still(value: Callable[[], int], quiet: float, what: str, timeout: float = 20.0) -> int:
+    """``value()`` once it has not changed for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = value(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold still for {quiet}s within {timeout:.0f}s")
+        time.sleep(0.05)
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def test_the_next_puts_files_are_made_while_the_host_is_idle(shm_root: Path) -> None:
     with _cluster(shm_root, []) as cluster, _stores(cluster) as stores:
         _put(stores, 1)  # its files are made inside the put: nothing was known before
@@ -142,9 +156,12 @@ def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path
                 with ThreadPoolExecutor(1) as pool:
                     wait = {"op": "wait", "step": 1, "timeout": None}
                     answer = pool.submit(stores[0]._request, wait, conn)
-                    time.sleep(0.5)  # step 1 is protected: the wait is in its acknowledging round
+                    other = ahead(1)
+                    # step 1 is protected: the wait is in its acknowledging round. The piece
+                    # the warmer was faulting in when the wait came goes on to its end (up to
+                    # 0.7 s with four warmers on 2 cores: a fixed 0.5 s here failed once in CI)
+                    mine = _still(lambda: ahead(0), 1.0, "host0's warmer with a trainer waiting")
                     assert not answer.done(), "the wait was answered with a peer stopped"
-                    mine, other = ahead(0), ahead(1)
                     time.sleep(1.5)
                     assert ahead(0) == mine, "the warmer faulted in memory while a trainer waited"
                     assert ahead(1) > other, "host1's warmer had nothing to do: the test is moot"
