@@ -178,7 +178,7 @@ class Catalog:
             return
         mine = rec.stored.setdefault(slot, {"data": [], "parity": []})
         mine["parity"] = list(crc.get("parity", []))
-        if crc.get("data"):  # copies: the host's own
+        if crc.get("data"):  # the host's own, where it takes them itself
             mine["data"] = list(crc["data"])
         for of, c, value in data_crc:
             data = rec.stored.setdefault(of, {"data": [], "parity": []})["data"]

@@ -55,13 +55,17 @@ class Exchange:
         g = self.host.group
         self.scratch(g.k, g.m, self.host.chunk_bytes)
 
-    def prepare(self, rec: StepRec, loc: Local) -> None:
-        """Reserve parity memory; report next round. With copies (k = 1), start checksumming this
-        host's data chunks.
+    def encoders_checksum(self) -> bool:
+        """Whether each data chunk's CRC is taken by its stripe's encoder as the chunk arrives
+        (erasure coding between virtual hosts: see :meth:`run`), not by the chunk's own host."""
+        return self.host.group.k > 1 and self.host.spin
 
-        Erasure-coded data chunks are checksummed by their stripes' encoders as they arrive
-        (:meth:`run`). A copy's data chunk is checksummed here, on a helper thread (ISA-L's CRC
-        drops the GIL) while the exchange moves the same bytes; ``stored`` waits for them.
+    def prepare(self, rec: StepRec, loc: Local) -> None:
+        """Reserve parity memory; report next round. Unless the encoders do it, start
+        checksumming this host's data chunks.
+
+        Those checksums run on a helper thread (ISA-L's CRC drops the GIL) while the exchange
+        moves the same bytes; ``stored`` waits for them.
         """
         h = self.host
         loc.prepared = True
@@ -75,7 +79,7 @@ class Exchange:
         except CapacityError as exc:
             ok = False
             h.log(f"step {rec.step}: no memory for this host's parity: {exc}")
-        if ok and h.group.k == 1:
+        if ok and not self.encoders_checksum():
             views = [h.chunk_view(rec, c) for c in range(len(rec.blobs[h.slot].chunks))]
             loc.crc_job = self._crc_pool.submit(self._checksums, views)
         loc.t["prepared"] = time.monotonic()
@@ -125,13 +129,16 @@ class Exchange:
         hot_crc: dict[int, int] = {}  # parity slot -> CRC of the parity this host encoded there
         helpers = rs.helper_seconds()  # the codec's helper threads' CPU is charged to encode
 
-        # An encoder checksums each data chunk it receives as its receive completes, while the
-        # bytes MPI just copied are in this core's cache, and reports the CRCs with its own
-        # (``Stored.data_crc``); the chunk's host does not read it back from memory for them.
-        # Two alternated pairs of 8 puts, 4 virtual hosts on 2 cores, RS(3,1), 1.5 GB: checksum
-        # 0.075-0.076 CPU s per protected GB against 0.087-0.089, total 0.667-0.669 against
-        # 0.680-0.707, put->protected 0.533-0.544 s against 0.544-0.564 (in one process: a CRC
-        # right after a 1 MiB process_vm_readv 0.035 s/GB, one read from memory 0.058). The
+        # Between virtual hosts an encoder checksums each data chunk it receives as its receive
+        # completes, while the bytes MPI just copied are in this core's cache, and reports the
+        # CRCs with its own (``Stored.data_crc``); the chunk's host does not read it back from
+        # memory for them. Two alternated pairs of 8 puts, 4 virtual hosts on 2 cores, RS(3,1),
+        # 1.5 GB: checksum 0.075-0.076 CPU s per protected GB against 0.087-0.089, total
+        # 0.667-0.669 against 0.680-0.707, put->protected 0.533-0.544 s against 0.544-0.564 (in
+        # one process: a CRC right after a 1 MiB process_vm_readv 0.035 s/GB, one read from
+        # memory 0.058). Over a network each host checksums its own: there the encoder's CRCs
+        # cost more than the host's (bench store --lab, RS(3,1), two alternated runs each:
+        # checksum 0.170-0.174 against 0.130-0.147, the total within the runs' spread). The
         # CRC covers the bytes the parity is encoded from; one copy lies between them and the
         # shard's (the kernel's, or the network's, which TCP checks), as one copy, the put's,
         # lies between the shard and the trainer's tensors, which no CRC covers either.
@@ -139,6 +146,7 @@ class Exchange:
         unsummed: dict[int, list[Any]] = {}  # row key -> [pieces left, slot, chunk, row]
         piece_row: dict[int, int] = {}  # a data receive piece's id -> its row key
         row_keys = itertools.count()
+        checksummed_here = self.encoders_checksum()
 
         def summed(key: int) -> None:
             _, slot, c, row = unsummed.pop(key)
@@ -160,7 +168,7 @@ class Exchange:
             if not length:
                 return []
             reqs = links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
-            if not replicate:
+            if checksummed_here:
                 key = next(row_keys)
                 unsummed[key] = [len(reqs), g.slots[dpos], c, dst[:length]]
                 piece_row.update((id(r), key) for r in reqs)
@@ -251,7 +259,7 @@ class Exchange:
                 transfer=True,
                 arrived=arrived,
             )
-            for r in data_recvs:  # a wait that is not busy (over a network) calls no arrived
+            for r in data_recvs:  # those the wait did not hand to arrived (none, so far)
                 arrived(r)
             wait_parity(wi - 2)  # its parity sends read the out rows this window encodes into
             for s in mine_to_encode:

@@ -244,8 +244,9 @@ class Prepared(Event):
 class Stored(Event):
     """This daemon's part of the exchange is done (ballot: counted; group: names, checksums).
 
-    ``crc`` holds the checksums of this host's parity chunks and, with copies (k = 1), of its
-    data chunks; ``data_crc`` those of the other hosts' data chunks this host encoded, as
+    ``crc`` holds the checksums of this host's parity chunks and of its data chunks where it
+    takes those itself; ``data_crc`` those of the other hosts' data chunks it encoded, where the
+    encoders take them (:meth:`storage.exchange.Exchange.encoders_checksum`), as
     ``[slot, chunk, crc]``."""
 
     kind: ClassVar[str] = "stored"
