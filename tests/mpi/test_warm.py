@@ -142,9 +142,12 @@ def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path
     then delays that answer. Here the acknowledging round cannot complete (a peer daemon is
     stopped): the waiting host's warmer faults in nothing meanwhile, while another host's, with
     no trainer waiting, goes on; once the wait is answered, the waiting host's goes on too."""
-    with _cluster(shm_root, []) as cluster, _stores(cluster) as stores:
+    # --keep 6: files for the next 6 puts, 1.5 GB a host, so that host0's warmer still has work
+    # when the trainer's wait comes. With the default 2 (512 MB) it had once made them all by
+    # then, in 0.5-1 s, where the pages had been faulted in before (4 GB/s a core here)
+    with _cluster(shm_root, ["--keep", "6"]) as cluster, _stores(cluster) as stores:
         _put(stores, 1, nbytes=192 << 20)
-        # the warmers now make the next two puts' files, 64 MiB a piece, for seconds
+        # the warmers now make the next puts' files, 64 MiB a piece, for seconds
         ahead = lambda i: int(stores[i].info()["stats"]["pool_ahead_bytes"])  # noqa: E731
         _until("host0's warmer at work", lambda: ahead(0) > 0)
         pid = cluster.daemon_pid("host3")
