@@ -170,9 +170,9 @@ class Catalog:
         crc: dict[str, Any],
         data_crc: Sequence[Sequence[int]] = (),
     ) -> None:
-        """A group member's exchange is done: its parity's name and checksums, and the checksums
-        of the data chunks it encoded (``[slot, chunk, crc]``: each of other hosts), in any
-        order among the members' (see :class:`storage.protocol.Stored`)."""
+        """A group member's exchange is done: its parity's name and checksums, and those of the
+        other hosts' data chunks it took as they arrived (``[slot, chunk, crc]``), in any order
+        among the members' (see :class:`storage.protocol.Stored`)."""
         rec = self.steps.get(step)
         if rec is None or rec.state != StepState.ENCODING:
             return

@@ -245,9 +245,9 @@ class Stored(Event):
     """This daemon's part of the exchange is done (ballot: counted; group: names, checksums).
 
     ``crc`` holds the checksums of this host's parity chunks and of its data chunks where it
-    takes those itself; ``data_crc`` those of the other hosts' data chunks it encoded, where the
-    encoders take them (:meth:`storage.exchange.Exchange.encoders_checksum`), as
-    ``[slot, chunk, crc]``."""
+    takes those itself; ``data_crc`` those of the other hosts' data chunks it took as they
+    arrived, as their stripes' encoder or first copy holder, where those take them
+    (:meth:`storage.exchange.Exchange.encoders_checksum`), as ``[slot, chunk, crc]``."""
 
     kind: ClassVar[str] = "stored"
     step: int
