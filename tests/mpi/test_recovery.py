@@ -43,8 +43,8 @@ def _data_file(root: Path, job: str, host: str, step: int, rank: int) -> Path:
 
 def _assert_data_crcs(root: Path, job: str, hosts: list[str], step: int) -> int:
     """Each host's manifest of ``step`` names the CRC of every data chunk of the group, and each
-    is the CRC of that chunk's bytes in its host's data file (an erasure-coded chunk's is taken by
-    its stripe's encoder as it arrives, a copy's by its own host). Returns how many it checked."""
+    is the CRC of that chunk's bytes in its host's data file (taken by the stripe's encoder, or
+    with copies by the first copy holder, as the chunk arrived). Returns how many it checked."""
     checked = 0
     for host in hosts:
         m = _manifest(root, job, host, step)
