@@ -202,8 +202,8 @@ def test_a_referenced_step_is_pinned_then_freed() -> None:
 
 def test_data_checksums_from_the_encoders_join_each_hosts_own_in_any_order() -> None:
     """An encoder reports the CRCs of the other hosts' data chunks it encoded; its Stored may
-    come before or after theirs, and a host's own Stored (no data CRCs with erasure coding)
-    leaves what the encoders gave."""
+    come before or after theirs, and a host's own Stored (none of its own data CRCs, where the
+    encoders take them) leaves what the encoders gave."""
     for first in (0, 1):
         cat = catalog(slots=3)
         assert cat.assign(1) is not None
@@ -222,7 +222,7 @@ def test_data_checksums_from_the_encoders_join_each_hosts_own_in_any_order() -> 
         assert stored[1] == {"data": [110, 111], "parity": []}, first
         assert stored[2] == {"data": [], "parity": [22]}, first
         assert cat.steps[1].parity == {2: "p2", 0: "p0"}
-    # copies (k = 1): a host reports its own data CRCs
+    # a host that takes its own data CRCs (over a network) reports them itself
     cat = catalog(slots=2)
     assert cat.assign(1) is not None
     cat.count(staged(cat, 1, [0, 1], 2))
