@@ -191,6 +191,7 @@ class Exchange:
             return reqs
 
         def parity_row_at(i: int) -> np.ndarray[Any, Any]:
+            """This host's parity (or copy) chunk in parity slot i."""
             assert parity is not None
             return parity[i * cb : (i + 1) * cb]
 
@@ -277,8 +278,6 @@ class Exchange:
                 transfer=True,
                 arrived=arrived,
             )
-            for r in data_recvs:  # those the wait did not hand to arrived (none, so far)
-                arrived(r)
             wait_parity(wi - 2)  # its parity sends read the out rows this window encodes into
             for s in mine_to_encode:
                 row0 = (s - w0) * k
@@ -304,6 +303,8 @@ class Exchange:
                 posted[wi + 2] = post(starts[wi + 2])  # into this window's rows, encoded now
         for wi in sorted(parity_wait):
             wait_parity(wi)
+        # checksummed_here only between virtual hosts: their busy waits hand each receive to arrived
+        assert not unsummed, f"{len(unsummed)} data chunks of step {rec.step} not checksummed"
         links.wait(
             sends_left,
             f"data exchange of step {rec.step}",
@@ -322,7 +323,7 @@ class Exchange:
         n = len(layout.parity_stripes[pos])
         if parity is not None:
             cold = [i for i in range(n) if i not in hot_crc]  # received (m > 1), copies by TCP
-            crcs = self._checksums([parity[i * cb : (i + 1) * cb] for i in cold])
+            crcs = self._checksums([parity_row_at(i) for i in cold])
             hot_crc.update(zip(cold, crcs, strict=True))
             loc.parity_crc = [hot_crc[i] for i in range(n)]
         if loc.crc_job is not None:
