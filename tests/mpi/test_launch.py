@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.lab import stop
 from storage.launch import HYDRA_TOPOLOGY, mpiexec, sweep_hydra_files
 
 WAIT = (
@@ -92,7 +93,7 @@ def test_the_sweep_waits_for_the_proxy_of_a_killed_mpiexec_to_exit() -> None:
     (proxy,) = _children(killed.pid)
     ranks = _children(proxy)
     assert len(ranks) == 2, ranks
-    os.kill(proxy, signal.SIGSTOP)
+    assert stop(proxy), "the proxy did not stop"
     try:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.communicate()
