@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -22,12 +22,93 @@ from storage.catalog import StepRec
 from storage.cpu import charged
 from storage.errors import CapacityError
 from storage.host import Host, Local
+from storage.placement import HostBlob, StripeLayout
 from storage.protocol import Prepared, Stored
 
-__all__ = ["TAG_DATA", "TAG_PARITY", "Exchange"]
+__all__ = ["TAG_DATA", "TAG_PARITY", "Exchange", "Plan"]
 
 TAG_DATA, TAG_PARITY = 11, 12
 NET_NAP = 2e-4  # a bulk wait's sleep between polls when the bytes come over a network
+_PLANS_KEPT = 8  # plans an exchange keeps (a steady job uses one)
+
+# What a host does in a stripe, besides sending its own data chunks there
+ENCODE, COPY, PARITY = 1, 2, 3  # encodes it; holds a copy (k = 1); receives a parity chunk
+
+
+class _Work:
+    """One stripe of a window, as one host takes part in it (see :class:`Plan`)."""
+
+    __slots__ = ("e", "forward", "pslot", "receives", "report", "role", "s", "sends", "source")
+
+    def __init__(self, s: int) -> None:
+        self.s = s
+        self.sends: list[tuple[int, int]] = []  # (chunk of this host's blob, to position)
+        self.role = 0  # ENCODE, COPY, PARITY or none
+        # the data chunks it receives: (index j, from position, their host's slot, chunk, bytes;
+        # 0 bytes: a virtual pad, zeros, not sent)
+        self.receives: list[tuple[int, int, int, int | None, int]] = []
+        self.pslot = -1  # its parity (or copy) among this host's parity chunks
+        self.e = -1  # ENCODE: the parity index encoded in place, into this host's parity chunk
+        self.forward: list[tuple[int, int]] = []  # ENCODE: (parity index, to position)
+        self.source = -1  # PARITY: the encoder's position
+        self.report = False  # COPY: this host reports the data chunk's CRC (its first holder)
+
+
+class Plan:
+    """What one host sends, receives and encodes in each window of one layout, worked out once
+    for a layout and its shards' sizes (every step of a steady job has the same), not again for
+    every stripe of every step: posting a window asked the layout about every stripe of the
+    group, about 20 us of Python each here."""
+
+    def __init__(self, layout: StripeLayout, pos: int, blobs: list[HostBlob], window: int):
+        k = layout.k
+        replicate = k == 1
+        slots = layout.group.slots
+        self.windows: list[list[_Work]] = []
+        self.encodes = 0  # stripes this host encodes
+        for w0 in range(0, layout.stripes, window):
+            works = []
+            for s in range(w0, min(w0 + window, layout.stripes)):
+                w = _Work(s)
+                ppos = layout.parity_positions(s)
+                encoder = layout.encoder_position(s)
+                for j in range(k):
+                    if layout.data_position(s, j) == pos:
+                        c = layout.data_chunk(s, j)
+                        if c is not None:
+                            w.sends += [(c, to) for to in (ppos if replicate else [encoder])]
+                if pos in ppos:
+                    w.pslot = layout.parity_slot(pos, s)
+                    if replicate:
+                        w.role, w.report = COPY, ppos[0] == pos
+                    elif encoder == pos:
+                        w.role, w.e = ENCODE, layout.encoder(s)
+                        w.forward = [(i, p) for i, p in enumerate(ppos) if i != w.e]
+                        self.encodes += 1
+                    else:
+                        w.role, w.source = PARITY, encoder
+                    if w.role in (ENCODE, COPY):
+                        for j in range(k):
+                            dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
+                            length = 0 if c is None else blobs[dpos].chunks[c].length
+                            w.receives.append((j, dpos, slots[dpos], c, length))
+                if w.sends or w.role:
+                    works.append(w)
+            self.windows.append(works)
+
+    _made: ClassVar[dict[tuple[Any, ...], Plan]] = {}  # the last plans made in this process
+
+    @classmethod
+    def of(cls, layout: StripeLayout, pos: int, blobs: list[HostBlob], window: int) -> Plan:
+        """The plan of ``layout`` for position ``pos``, made once for equal layouts and shard
+        sizes (only the round thread makes plans)."""
+        key = (layout.group, tuple(layout.counts), pos, window, tuple(blobs))
+        plan = cls._made.get(key)
+        if plan is None:
+            if len(cls._made) >= _PLANS_KEPT:
+                cls._made.clear()
+            plan = cls._made[key] = cls(layout, pos, blobs, window)
+        return plan
 
 
 class Exchange:
@@ -114,7 +195,7 @@ class Exchange:
         # its out rows once their parity has gone out.
         window = max(1, h.config.window // 2)
         sets = self.scratch(k, m, cb)
-        blobs = {p: rec.blobs[g.slots[p]] for p in range(layout.n)}
+        plan = Plan.of(layout, pos, [rec.blobs[g.slots[p]] for p in range(layout.n)], window)
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
         nap = None if h.spin else NET_NAP
@@ -173,20 +254,23 @@ class Exchange:
                 if not unsummed[key][0]:
                     summed(key)
 
-        def receive_data(s: int, j: int, dst: np.ndarray[Any, Any]) -> list[Any]:
-            """Post the receive of stripe s's data chunk j into ``dst``; zero its virtual pad."""
-            dpos, c = layout.data_position(s, j), layout.data_chunk(s, j)
-            length = 0 if c is None else blobs[dpos].chunks[c].length
-            dst[length:] = 0
+        def receive_data(
+            w: _Work, got: tuple[int, int, int, int | None, int], dst: np.ndarray[Any, Any]
+        ) -> list[Any]:
+            """Post the receive of one of stripe w's data chunks into ``dst``; zero its pad."""
+            _, dpos, slot, c, length = got
+            if length < cb:
+                dst[length:] = 0
             if not length:
                 return []
-            reqs = links.irecv(dst[:length], rank_at[dpos], TAG_DATA)
+            row = dst[:length] if length < cb else dst
+            reqs = links.irecv(row, rank_at[dpos], TAG_DATA)
             if checksummed_here:
                 copy, report = None, True
                 if replicate:  # dst is this host's copy
-                    copy, report = layout.parity_slot(pos, s), layout.parity_positions(s)[0] == pos
+                    copy, report = w.pslot, w.report
                 key = next(row_keys)
-                unsummed[key] = [len(reqs), g.slots[dpos], c, dst[:length], copy, report]
+                unsummed[key] = [len(reqs), slot, c, row, copy, report]
                 piece_row.update((id(r), key) for r in reqs)
             return reqs
 
@@ -195,38 +279,30 @@ class Exchange:
             assert parity is not None
             return parity[i * cb : (i + 1) * cb]
 
-        def parity_row(s: int) -> np.ndarray[Any, Any]:
-            """This host's parity (or copy) chunk of stripe s."""
-            return parity_row_at(layout.parity_slot(pos, s))
-
-        def post(w0: int) -> tuple[list[Any], list[Any], list[Any], list[int]]:
-            """Post window ``w0``'s data receives and sends and its parity receives."""
-            data_scratch, _ = sets[(w0 // window) % 2]
+        def post(wi: int) -> tuple[list[Any], list[Any], list[Any], list[_Work]]:
+            """Post window ``wi``'s data receives and sends and its parity receives."""
+            data_scratch, _ = sets[wi % 2]
+            w0 = wi * window
             data_recvs: list[Any] = []
             data_sends: list[Any] = []
             parity_reqs: list[Any] = []
             mine_to_encode = []
-            for s in range(w0, min(w0 + window, layout.stripes)):
-                ppos = layout.parity_positions(s)
-                encoder = layout.encoder_position(s)
-                for j in range(k):
-                    if layout.data_position(s, j) == pos:
-                        c = layout.data_chunk(s, j)
-                        if c is not None:
-                            row = h.chunk_view(rec, c)
-                            for to in ppos if replicate else (encoder,):
-                                data_sends.extend(links.isend(row, rank_at[to], TAG_DATA))
-                if replicate:
-                    # RS(1, m) keeps copies: each copy holder receives the chunk in place
-                    if pos in ppos and parity is not None:
-                        data_recvs += receive_data(s, 0, parity_row(s))
-                elif encoder == pos:
-                    mine_to_encode.append(s)
-                    row0 = (s - w0) * k
-                    for j in range(k):
-                        data_recvs += receive_data(s, j, data_scratch[row0 + j])
-                elif pos in ppos and parity is not None:
-                    parity_reqs += links.irecv(parity_row(s), rank_at[encoder], TAG_PARITY)
+            for w in plan.windows[wi]:
+                for c, to in w.sends:
+                    data_sends += links.isend(h.chunk_view(rec, c), rank_at[to], TAG_DATA)
+                if w.role == ENCODE:
+                    mine_to_encode.append(w)
+                    row0 = (w.s - w0) * k
+                    for got in w.receives:
+                        data_recvs += receive_data(w, got, data_scratch[row0 + got[0]])
+                elif parity is None:
+                    continue
+                elif w.role == COPY:  # RS(1, m) keeps copies: received in place
+                    data_recvs += receive_data(w, w.receives[0], parity_row_at(w.pslot))
+                elif w.role == PARITY:
+                    parity_reqs += links.irecv(
+                        parity_row_at(w.pslot), rank_at[w.source], TAG_PARITY
+                    )
             return data_recvs, data_sends, parity_reqs, mine_to_encode
 
         # Pairs post each tag's messages in stripe order on both sides (windows in order, parity
@@ -250,8 +326,8 @@ class Exchange:
         # a network each window still waits for its sends, which paces the links alike: waiting
         # once at the end there (bench store --lab, one run) made 2-way replication 5 % slower
         # (2.64 s against 2.47-2.51) and RS(2,2) 2 % (2.78 s against 2.72-2.74).
-        starts = list(range(0, layout.stripes, window))
-        posted = {wi: post(w0) for wi, w0 in enumerate(starts[:2])}
+        windows = len(plan.windows)
+        posted = {wi: post(wi) for wi in range(min(2, windows))}
         parity_wait: dict[int, list[Any]] = {}
         sends_left: list[Any] = []  # between virtual hosts: every window's data sends
         h.phase("sending")
@@ -265,7 +341,8 @@ class Exchange:
                 transfer=True,
             )
 
-        for wi, w0 in enumerate(starts):
+        for wi in range(windows):
+            w0 = wi * window
             data_recvs, data_sends, parity_reqs, mine_to_encode = posted.pop(wi)
             data_scratch, out_scratch = sets[wi % 2]
             if h.spin:
@@ -279,11 +356,11 @@ class Exchange:
                 arrived=arrived,
             )
             wait_parity(wi - 2)  # its parity sends read the out rows this window encodes into
-            for s in mine_to_encode:
+            for w in mine_to_encode:
+                s, e = w.s, w.e  # e: this host's own parity index, encoded in place
                 row0 = (s - w0) * k
-                e = layout.encoder(s)  # this host's own parity index: encoded in place
                 others = iter(out_scratch[(s - w0) * (m - 1) : (s - w0 + 1) * (m - 1)])
-                outs = [parity_row(s) if i == e else next(others) for i in range(m)]
+                outs = [parity_row_at(w.pslot) if i == e else next(others) for i in range(m)]
                 t0 = time.perf_counter()
                 with clock.phase("encode"):
                     rs.encode_into([data_scratch[row0 + j] for j in range(k)], outs)
@@ -293,14 +370,12 @@ class Exchange:
                 # from L2). Two alternated pairs of 8 puts, 4 virtual hosts, RS(3,1), 1.5 GB:
                 # checksum 0.082-0.083 CPU s per protected GB against 0.088-0.090.
                 with clock.phase("checksum"):
-                    hot_crc[layout.parity_slot(pos, s)] = checksum(outs[e])
-                ppos = layout.parity_positions(s)
-                for i in range(m):
-                    if i != e:
-                        parity_reqs += links.isend(outs[i], rank_at[ppos[i]], TAG_PARITY)
+                    hot_crc[w.pslot] = checksum(outs[e])
+                for i, to in w.forward:
+                    parity_reqs += links.isend(outs[i], rank_at[to], TAG_PARITY)
             parity_wait[wi] = parity_reqs
-            if wi + 2 < len(starts):
-                posted[wi + 2] = post(starts[wi + 2])  # into this window's rows, encoded now
+            if wi + 2 < windows:
+                posted[wi + 2] = post(wi + 2)  # into this window's rows, encoded now
         for wi in sorted(parity_wait):
             wait_parity(wi)
         # checksummed_here only between virtual hosts: their busy waits hand each receive to arrived
@@ -313,12 +388,7 @@ class Exchange:
             transfer=True,
         )
         clock.add("encode", rs.helper_seconds() - helpers)
-        encoded_stripes = (
-            0
-            if replicate
-            else sum(1 for s in range(layout.stripes) if layout.encoder_position(s) == pos)
-        )
-        h.stats["encode_bytes"] += encoded_stripes * k * cb
+        h.stats["encode_bytes"] += plan.encodes * k * cb
         h.stats["encode_seconds"] += t_encode
         n = len(layout.parity_stripes[pos])
         if parity is not None:
