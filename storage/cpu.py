@@ -36,8 +36,7 @@ import functools
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 __all__ = ["PHASES", "TRAINER", "Clock", "charged"]
@@ -77,27 +76,40 @@ class Clock:
         self._lock = threading.Lock()
         self._seconds = dict.fromkeys(PHASES, 0.0)
         self._local = threading.local()
+        self._phases = {name: _Phase(self, name) for name in PHASES}
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Charge this thread's CPU time to ``name`` until the block ends (an enclosing phase
-        is paused meanwhile)."""
-        if name not in self._seconds:
+    def phase(self, name: str) -> _Phase:
+        """A context manager: charge this thread's CPU time to ``name`` until the block ends (an
+        enclosing phase is paused meanwhile). Nests, on any thread.
+
+        A class, not a generator: an exchange enters a phase for each chunk it checksums, and
+        ``contextlib.contextmanager``'s generator cost 3.9 us a nested phase here against
+        2.0 us."""
+        p = self._phases.get(name)
+        if p is None:
             raise ValueError(f"unknown CPU phase {name!r}; known: {', '.join(PHASES)}")
-        stack: list[_Frame] | None = getattr(self._local, "stack", None)
-        if stack is None:
+        return p
+
+    def _stack(self) -> list[_Frame]:
+        try:
+            stack: list[_Frame] = self._local.stack
+        except AttributeError:
             stack = self._local.stack = []
+        return stack
+
+    def _enter(self, name: str) -> None:
+        stack = self._stack()
         now = time.thread_time()
         if stack:
             self._charge(stack[-1], now)
         stack.append(_Frame(name, now))
-        try:
-            yield
-        finally:
-            now = time.thread_time()
-            self._charge(stack.pop(), now)
-            if stack:
-                stack[-1].since = now  # the enclosing phase resumes
+
+    def _exit(self) -> None:
+        stack = self._local.stack
+        now = time.thread_time()
+        self._charge(stack.pop(), now)
+        if stack:
+            stack[-1].since = now  # the enclosing phase resumes
 
     def _charge(self, frame: _Frame, now: float) -> None:
         with self._lock:
@@ -107,7 +119,7 @@ class Clock:
     def flush(self) -> None:
         """Charge this thread's running phase up to now (a phase that runs for a thread's whole
         life, such as the warmer's, would otherwise show only when the thread ends)."""
-        stack: list[_Frame] | None = getattr(self._local, "stack", None)
+        stack = self._stack()
         if stack:
             self._charge(stack[-1], time.thread_time())
 
@@ -127,6 +139,23 @@ class Clock:
         mine = sum(v for k, v in out.items() if k not in TRAINER and k != "other")
         out["other"] = max(0.0, process_seconds() - mine)
         return out
+
+
+class _Phase:
+    """``with clock.phase(name)``: holds no state of its own (the stack is per thread), so one
+    object per phase serves every thread and every nesting."""
+
+    __slots__ = ("_clock", "_name")
+
+    def __init__(self, clock: Clock, name: str) -> None:
+        self._clock = clock
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._clock._enter(self._name)
+
+    def __exit__(self, *exc: object) -> None:
+        self._clock._exit()
 
 
 class _Frame:
