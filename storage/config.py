@@ -45,7 +45,8 @@ class ServeConfig:
     metrics_port: int | None = None  # virtual host i serves on port + i; 0 picks a free port
     metrics_addr: str = "0.0.0.0"
     peer_timeout: float = 120.0
-    window: int = 64  # stripes per pipelined exchange window
+    window: int = 64  # stripes a repair window holds at most (see storage.repair)
+    exchange_window: int = 8  # stripes per pipelined exchange window, two halves of rows
     repair: str = "chain"  # "chain": helpers add along a chain; "star": the rebuilder decodes
     encode_threads: int = 2
     persist_dir: Path | None = None  # the persistent tier: DIR/<job>/step-<step>/

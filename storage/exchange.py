@@ -122,7 +122,7 @@ class Exchange:
     def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any]]:
         """The two half windows' rows: data in, parity out (see :meth:`run`)."""
         h = self.host
-        window = max(1, h.config.window // 2)
+        window = max(1, h.config.exchange_window // 2)
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
@@ -193,7 +193,18 @@ class Exchange:
         # parity sent, the next windows' data move, so the links never idle between windows (an
         # idle TCP connection starts slow again). A set's data rows are reused once encoded,
         # its out rows once their parity has gone out.
-        window = max(1, h.config.window // 2)
+        # Small windows keep the rows in the caches: 8 stripes (4 a half; RS(3,1), 1 MiB chunks:
+        # 24 MiB of data rows a host) the bytes MPI copies in, encodes and checksums are still
+        # there from the last use of the rows, and the parity lands beside them. Two alternated
+        # pairs of 8 puts, 4 virtual hosts on 2 cores, RS(3,1), 1.5 GB, CPU s per protected GB:
+        # 0.642-0.649 with 8 (encode 0.074, checksum 0.059-0.060, receive 0.213) against
+        # 0.703-0.753 with 64 (0.109-0.113, 0.085-0.087, 0.236-0.242), put->protected 0.50-0.51 s
+        # against 0.56-0.60 s; with 4, 0.651-0.661 (each window's waits and posts cost more
+        # than the smaller rows saved). Over a network (bench store --lab --schemes rs31, two
+        # alternated runs each): put->protected / network floor 1.23-1.24 against 1.31-1.33,
+        # CPU s per protected GB 1.72-1.92 against 1.87-1.91 (more of it in exchange, less in
+        # receive: over TCP the posts move bytes too).
+        window = max(1, h.config.exchange_window // 2)
         sets = self.scratch(k, m, cb)
         plan = Plan.of(layout, pos, [rec.blobs[g.slots[p]] for p in range(layout.n)], window)
         replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
