@@ -343,10 +343,18 @@ class Exchange:
         sends_left: list[Any] = []  # between virtual hosts: every window's data sends
         h.phase("sending")
 
+        data_what, parity_what = (
+            f"data exchange of step {rec.step}",
+            f"parity exchange of step {rec.step}",
+        )
+
         def wait_parity(wi: int) -> None:
+            reqs = parity_wait.pop(wi, None)
+            if not reqs:
+                return
             links.wait(
-                parity_wait.pop(wi, []),
-                f"parity exchange of step {rec.step}",
+                reqs,
+                parity_what,
                 busy=h.spin,
                 nap=nap,
                 transfer=True,
@@ -360,7 +368,7 @@ class Exchange:
                 sends_left += data_sends
             links.wait(
                 data_recvs if h.spin else data_recvs + data_sends,
-                f"data exchange of step {rec.step}",
+                data_what,
                 busy=h.spin,
                 nap=nap,
                 transfer=True,
@@ -393,7 +401,7 @@ class Exchange:
         assert not unsummed, f"{len(unsummed)} data chunks of step {rec.step} not checksummed"
         links.wait(
             sends_left,
-            f"data exchange of step {rec.step}",
+            data_what,
             busy=h.spin,
             nap=nap,
             transfer=True,

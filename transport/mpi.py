@@ -144,8 +144,9 @@ class Links:
                     self._drain(receives, what, limit, deadline, arrived)
                 else:
                     self._wait(receives, what, limit, deadline, nap)
-            with self._phase("send"):
-                self._wait(reqs, what, limit, deadline, SEND_NAP if nap is None else nap)
+            if len(receives) < len(reqs):  # sends left to wait for
+                with self._phase("send"):
+                    self._wait(reqs, what, limit, deadline, SEND_NAP if nap is None else nap)
         finally:
             for r in reqs:
                 self._peer.pop(id(r), None)
