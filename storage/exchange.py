@@ -29,7 +29,7 @@ __all__ = ["TAG_DATA", "TAG_PARITY", "Exchange", "Plan"]
 
 TAG_DATA, TAG_PARITY = 11, 12
 NET_NAP = 2e-4  # a bulk wait's sleep between polls when the bytes come over a network
-_PLANS_KEPT = 8  # plans an exchange keeps (a steady job uses one)
+_PLANS_KEPT = 8  # plans a daemon keeps (a steady job uses one)
 
 # What a host does in a stripe, besides sending its own data chunks there
 ENCODE, COPY, PARITY = 1, 2, 3  # encodes it; holds a copy (k = 1); receives a parity chunk
