@@ -62,7 +62,7 @@ class Plan:
 
     def __init__(self, layout: StripeLayout, pos: int, blobs: list[HostBlob], window: int):
         k = layout.k
-        replicate = k == 1
+        replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         slots = layout.group.slots
         self.windows: list[list[_Work]] = []
         self.encodes = 0  # stripes this host encodes
@@ -119,10 +119,14 @@ class Exchange:
     def close(self) -> None:
         self._crc_pool.shutdown(wait=True)
 
+    def half_window(self) -> int:
+        """Stripes a set of rows holds: half an exchange window (see :meth:`run`)."""
+        return max(1, self.host.config.exchange_window // 2)
+
     def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any]]:
         """The two half windows' rows: data in, parity out (see :meth:`run`)."""
         h = self.host
-        window = max(1, h.config.exchange_window // 2)
+        window = self.half_window()
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
@@ -204,10 +208,9 @@ class Exchange:
         # alternated runs each): put->protected / network floor 1.23-1.24 against 1.31-1.33,
         # CPU s per protected GB 1.72-1.92 against 1.87-1.91 (more of it in exchange, less in
         # receive: over TCP the posts move bytes too).
-        window = max(1, h.config.exchange_window // 2)
+        window = self.half_window()
         sets = self.scratch(k, m, cb)
         plan = Plan.of(layout, pos, [rec.blobs[g.slots[p]] for p in range(layout.n)], window)
-        replicate = k == 1  # no encoding: the data host sends its chunk to every copy holder
         links = h.gl
         nap = None if h.spin else NET_NAP
         # A data chunk is sent from the shard's /dev/shm mapping, not copied into a private row
@@ -278,7 +281,7 @@ class Exchange:
             reqs = links.irecv(row, rank_at[dpos], TAG_DATA)
             if checksummed_here:
                 copy, report = None, True
-                if replicate:  # dst is this host's copy
+                if w.role == COPY:  # dst is this host's copy
                     copy, report = w.pslot, w.report
                 key = next(row_keys)
                 unsummed[key] = [len(reqs), slot, c, row, copy, report]
@@ -349,11 +352,8 @@ class Exchange:
         )
 
         def wait_parity(wi: int) -> None:
-            reqs = parity_wait.pop(wi, None)
-            if not reqs:
-                return
             links.wait(
-                reqs,
+                parity_wait.pop(wi, []),
                 parity_what,
                 busy=h.spin,
                 nap=nap,
