@@ -108,12 +108,19 @@ def test_copies_report_their_cpu_time_from_every_thread() -> None:
     dst = np.zeros_like(src)
     dst[::4096] = 0  # faulted in: the copy alone is timed
     with ThreadPoolExecutor(2) as pool:
-        t0 = process_seconds()
-        seconds = copy_pieces([(dst, src)], pool)
-        used = process_seconds() - t0
-    assert np.array_equal(dst, src)
-    assert 0 < seconds <= used + 0.01
-    assert seconds > 0.5 * used  # the pool threads' time is counted, not the caller's alone
+        both = threading.Barrier(2)
+        list(pool.map(lambda _: both.wait(), range(2)))  # both threads started before the clock
+        shares = []
+        for _ in range(3):  # the best of three: whatever else the process did only adds to used
+            dst[:] = 0
+            t0, mine0 = process_seconds(), time.thread_time()
+            seconds = copy_pieces([(dst, src)], pool)
+            used, mine = process_seconds() - t0, time.thread_time() - mine0
+            assert np.array_equal(dst, src)
+            assert 0 < seconds <= used + 0.01
+            assert mine < 0.5 * seconds  # the caller only waited: the copying was the pool's
+            shares.append(seconds / used)
+    assert max(shares) > 0.5  # and the pool threads' time is what is counted
 
 
 def test_flush_shows_a_running_phase_before_it_ends() -> None:
