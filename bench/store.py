@@ -54,6 +54,7 @@ from bench import baselines
 from bench._common import Recorder, add_put_cpu, exit_on_sigterm, record_cpu, table
 from bench._ranks import Workers, run_fresh
 from bench.harness import Cluster, make_state, nbytes_of
+from storage.config import CHUNK_BYTES as CHUNK
 
 HOSTS = 4
 
@@ -238,7 +239,7 @@ def run(
     m: int = 1,
     nbytes: int | None = None,
     repeats: int | None = None,
-    chunk: int = 1 << 20,
+    chunk: int = CHUNK,
     replicas: int = 2,
 ) -> list[dict[str, Any]]:
     from transport import shm
@@ -495,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, default=1)
     parser.add_argument("--bytes", type=int, default=None, help="state size (default 1.5 GB)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=CHUNK, help=f"the largest chunk (default {CHUNK})"
+    )
     parser.add_argument(
         "--replicas",
         type=int,

@@ -119,14 +119,16 @@ class Exchange:
     def close(self) -> None:
         self._crc_pool.shutdown(wait=True)
 
-    def half_window(self) -> int:
-        """Stripes a set of rows holds: half an exchange window (see :meth:`run`)."""
-        return max(1, self.host.config.exchange_window // 2)
+    def half_window(self, k: int) -> int:
+        """Stripes a set of rows holds, half an exchange window: as many of k rows, each as wide
+        as the largest chunk, as ``ServeConfig.exchange_rows`` bytes hold (see :meth:`run`)."""
+        h = self.host
+        return max(1, h.config.exchange_rows // (k * h.chunk_bytes))
 
     def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any]]:
         """The two half windows' rows: data in, parity out (see :meth:`run`)."""
         h = self.host
-        window = self.half_window()
+        window = self.half_window(k)
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
@@ -197,18 +199,24 @@ class Exchange:
         # parity sent, the next windows' data move, so the links never idle between windows (an
         # idle TCP connection starts slow again). A set's data rows are reused once encoded,
         # its out rows once their parity has gone out.
-        # Small windows keep the rows in the caches: 8 stripes (4 a half; RS(3,1), 1 MiB chunks:
-        # 24 MiB of data rows a host) the bytes MPI copies in, encodes and checksums are still
-        # there from the last use of the rows, and the parity lands beside them. Two alternated
-        # pairs of 8 puts, 4 virtual hosts on 2 cores, RS(3,1), 1.5 GB, CPU s per protected GB:
-        # 0.642-0.649 with 8 (encode 0.074, checksum 0.059-0.060, receive 0.213) against
-        # 0.703-0.753 with 64 (0.109-0.113, 0.085-0.087, 0.236-0.242), put->protected 0.50-0.51 s
-        # against 0.56-0.60 s; with 4, 0.651-0.661 (each window's waits and posts cost more
-        # than the smaller rows saved). Over a network (bench store --lab --schemes rs31, two
-        # alternated runs each): put->protected / network floor 1.23-1.24 against 1.31-1.33,
-        # CPU s per protected GB 1.72-1.92 against 1.87-1.91 (more of it in exchange, less in
-        # receive: over TCP the posts move bytes too).
-        window = self.half_window()
+        # Small windows keep the rows in the caches: 12 MiB of data rows a half window
+        # (``ServeConfig.exchange_rows``; 24 MiB a host) the bytes MPI copies in, encodes and
+        # checksums are still there from the last use of the rows, and the parity lands beside
+        # them. Measured in stripes of 1 MiB chunks (RS(3,1): 8 stripes a window, 4 a half),
+        # two alternated pairs of 8 puts, 4 virtual hosts on 2 cores, 1.5 GB, CPU s per
+        # protected GB: 0.642-0.649 with 8 (encode 0.074, checksum 0.059-0.060, receive 0.213)
+        # against 0.703-0.753 with 64 (0.109-0.113, 0.085-0.087, 0.236-0.242), put->protected
+        # 0.50-0.51 s against 0.56-0.60 s; with 4, 0.651-0.661 (each window's waits and posts
+        # cost more than the smaller rows saved). Over a network (bench store --lab --schemes
+        # rs31, two alternated runs each): put->protected / network floor 1.23-1.24 against
+        # 1.31-1.33, CPU s per protected GB 1.72-1.92 against 1.87-1.91 (more of it in
+        # exchange, less in receive: over TCP the posts move bytes too). With 4 MiB chunks
+        # (the default) a half window is one stripe of RS(3,1); its data checksums cost more
+        # than with 1 MiB (0.080-0.087 against 0.062-0.064: a chunk no longer fits this core's
+        # L2 when it is checksummed), and receiving each in 1 MiB pieces, checksummed as each
+        # arrived, cost more in receive than it saved there (total 0.653-0.673 against
+        # 0.611-0.634 whole, two alternated runs each).
+        window = self.half_window(k)
         sets = self.scratch(k, m, cb)
         plan = Plan.of(layout, pos, [rec.blobs[g.slots[p]] for p in range(layout.n)], window)
         links = h.gl

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from storage.config import DEFAULT_ROOT, ServeConfig
+from storage.config import CHUNK_BYTES, DEFAULT_ROOT, ServeConfig
 from storage.daemon import Daemon
 from storage.errors import ConfigError
 from storage.faults import FaultSpecError, Hooks
@@ -94,8 +94,8 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     p.add_argument(
         "--chunk-bytes",
         type=_parse_size,
-        default=1 << 20,
-        help="the largest chunk (default 1M); a small state is cut finer, so that its parity "
+        default=CHUNK_BYTES,
+        help="the largest chunk (default 4M); a small state is cut finer, so that its parity "
         "stays near m/k of it",
     )
     p.add_argument(
