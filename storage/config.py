@@ -31,10 +31,11 @@ def host_dir(root: str | os.PathLike[str], job: str, host: str) -> Path:
 
 
 # The largest chunk (--chunk-bytes). Per chunk the exchange has Python to run, messages to post
-# and a parity CRC to take; 4 MiB chunks against 1 MiB, two alternated pairs of 8 puts (4 virtual
-# hosts on 2 cores, RS(3,1), 1.5 GB): CPU s per protected GB 0.625-0.649 against 0.665-0.680
-# (exchange 0.030 against 0.047-0.050, receive 0.20-0.21 against 0.22). A blob under 32 chunks
-# of it is cut finer (placement.chunk_size), so small states keep their parity near m/k.
+# and a parity CRC to take; 4 MiB chunks against 1 MiB, four alternated pairs of 8 puts (4 virtual
+# hosts on 2 cores, RS(3,1), 1.5 GB): CPU s per protected GB 0.611-0.649 against 0.633-0.680
+# (exchange 0.027-0.036 against 0.047-0.050; checksum 0.080-0.087 against 0.062-0.064: a 4 MiB
+# chunk is read back from beyond L2). A blob under 32 chunks of it (128 MiB) is cut finer
+# (placement.chunk_size), so small states keep their parity near m/k.
 CHUNK_BYTES = 4 << 20
 
 
