@@ -82,6 +82,17 @@ def _daemons(job: str, root: Path, k: int, m: int, chunk: int) -> Cluster:
     )
 
 
+def _put(workers: Workers, step: int, cpu: dict[str, list[float]] | None) -> list[dict[str, Any]]:
+    """Every rank puts ``step``; returns their timings. With ``cpu``, the put's CPU seconds per
+    protected GB go there by phase (the daemons' counters read before and after)."""
+    before = workers.all({"op": "info"}) if cpu is not None else []
+    puts = workers.all({"op": "put", "step": step})
+    if cpu is not None:
+        after = workers.all({"op": "info"})
+        add_put_cpu(cpu, before, after, puts, sum(w["nbytes"] for w in workers.ready))
+    return puts
+
+
 def _phase(
     label: str,
     job: str,
@@ -115,11 +126,7 @@ def _phase(
         workers = Workers(job, root, nbytes, ntensors, HOSTS)
         for r in range(warmup + repeats):
             step = r + 1
-            before = workers.all({"op": "info"})
-            puts = workers.all({"op": "put", "step": step})
-            after = workers.all({"op": "info"})
-            if r >= warmup:
-                add_put_cpu(between, before, after, puts, sum(w["nbytes"] for w in workers.ready))
+            puts = _put(workers, step, between if r >= warmup else None)
             got = workers.all({"op": "get", "step": step, "verify": r == 0})
             restarted = run_fresh(
                 [{**spec, "op": "get", "step": step, "verify": r == 0} for spec in workers.specs]
@@ -148,10 +155,7 @@ def _phase(
             floor_copy()
             time.sleep(GAP)
             last += 1
-            before = workers.all({"op": "info"})
-            puts = workers.all({"op": "put", "step": last})
-            after = workers.all({"op": "info"})
-            add_put_cpu(cpu, before, after, puts, sum(w["nbytes"] for w in workers.ready))
+            _put(workers, last, cpu)
             time.sleep(GAP)
         infos = workers.all({"op": "info"})
         # host loss: the storage job dies, one host's memory is wiped, the job is relaunched and
