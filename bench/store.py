@@ -311,13 +311,17 @@ def run(
     floor_copy_cpu: list[float] = []  # CPU s per GB of the copy floor, between the contenders
     quiet_copy_cpu: list[float] = []  # ... and between the CPU block's puts
 
+    def copy_floor(cpu_per_gb: list[float]) -> float:
+        """The copy floor once: its CPU seconds per GB go to ``cpu_per_gb``; returns seconds."""
+        seconds, copy_cpu = baselines.floor_copy(state, floor_buf, pool)
+        cpu_per_gb.append(copy_cpu / (actual / 1e9))
+        return seconds
+
     def quiet_copy() -> None:
-        quiet_copy_cpu.append(baselines.floor_copy(state, floor_buf, pool)[1] / (actual / 1e9))
+        copy_floor(quiet_copy_cpu)
 
     def alternatives(r: int) -> dict[str, float]:
-        seconds, copy_cpu = baselines.floor_copy(state, floor_buf, pool)
-        floor_copy_cpu.append(copy_cpu / (actual / 1e9))
-        out = {"floor_copy_2threads": seconds}
+        out = {"floor_copy_2threads": copy_floor(floor_copy_cpu)}
         out.update(baselines.torch_save_load(state, root, HOSTS))
         out["torch_save_disk"], out["torch_load_disk"] = baselines.torch_disk(state)
         out["dcp_async_save_blocking"], out["dcp_async_save_done"] = baselines.dcp_async(
@@ -451,6 +455,12 @@ def run(
     if replicas > 1:
         repl_floor = floor(1, replicas - 1, quiet_copy_cpu)
         cpu_rows += record_cpu(rec, f"{replicas}-way", repl_cpu, repl_floor)
+        cpu_rows += record_cpu(
+            rec,
+            f"{replicas}-way between contenders",
+            repl_between,
+            floor(1, replicas - 1, floor_copy_cpu),
+        )
         ratios.append(
             (
                 f"{replicas}-way: daemon + trainer CPU per protected GB / floor",
