@@ -138,9 +138,12 @@ class Exchange:
         ]
 
     def warm(self) -> None:
-        """Make the exchange's rows before the first step needs them (the warmer's thread)."""
+        """Make the exchange's rows and codec before the first step needs them (the warmer's
+        thread). The first codec of a process loads ISA-L (20 ms here), inside the first step's
+        exchange otherwise."""
         g = self.host.group
         self.scratch(g.k, g.m, self.host.chunk_bytes)
+        self.host.codec(g.k, g.m)
 
     def encoders_checksum(self) -> bool:
         """Whether each data chunk's CRC is taken where it arrives, by its stripe's encoder (with

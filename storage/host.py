@@ -286,12 +286,15 @@ class Host:
             lambda: self.rounds >= target, self.config.peer_timeout, "a round of the storage job"
         )
 
-    # -- codecs and scratch ------------------------------------------------------------------------
+    # -- codecs and scratch (made under one lock: by the warmer's thread or a step's) -------------
 
     def codec(self, k: int, m: int) -> RSCodec:
-        rs = self._codecs.get((k, m))
-        if rs is None:
-            rs = self._codecs[(k, m)] = RSCodec(k, m, threads=self.encode_threads)
+        """The codec for RS(k, m), made once (by the warmer ahead of the first step, or by the
+        first step that needs it)."""
+        with self._scratch_lock:
+            rs = self._codecs.get((k, m))
+            if rs is None:
+                rs = self._codecs[(k, m)] = RSCodec(k, m, threads=self.encode_threads)
         return rs
 
     def scratch(self, purpose: str, rows: int, chunk: int) -> np.ndarray[Any, Any]:

@@ -323,7 +323,8 @@ class Rounds:
                     if h.trace:
                         t0 = loc.t.get("staged", loc.t.get("ready", 0.0))
                         phases = " ".join(f"{k}=+{(v - t0) * 1e3:.1f}ms" for k, v in loc.t.items())
-                        h.log(f"step {rec.step}: {phases}")
+                        # t0: CLOCK_MONOTONIC, which the trainers' clocks on this machine share
+                        h.log(f"step {rec.step}: t0={t0:.4f} {phases}")
                 if rec.state == StepState.PINNED and not loc.pinned_manifest:
                     h.write_manifest(rec, loc)  # says so: a restart keeps it for its referrers
                     loc.pinned_manifest = True
