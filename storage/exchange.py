@@ -139,7 +139,7 @@ class Exchange:
 
     def warm(self) -> None:
         """Make the exchange's rows and codec before the first step needs them (the warmer's
-        thread). The first codec of a process loads ISA-L (20 ms here), inside the first step's
+        thread). The first codec of a process loads ISA-L (17-22 ms here), inside the first step's
         exchange otherwise."""
         g = self.host.group
         self.scratch(g.k, g.m, self.host.chunk_bytes)
