@@ -1,7 +1,10 @@
 """``ecsnap bench cold``: the first puts after a start, against steady state in the same job.
 
 A fresh storage job has no shared memory yet: the first ``keep + 1`` puts find no file to reuse,
-and fresh pages cost about 0.5 s per GB here (1.5 GB/s single-threaded). Three phases, each on 4
+and fresh pages cost their first touch: 0.4 to 3.3 CPU s per GB on the 2-core VM this was built
+on, depending on whether the VM's host still backs the guest pages the kernel hands out (pages
+freed seconds before are cheap, others not; the VM's balloon reports free pages to its host).
+Three phases, each on 4
 virtual hosts with RS(3,1), ``--keep 2`` and one trainer per host holding a quarter of the state,
 a put every ``--gap`` seconds (the training step between snapshots; the trainers sleep, as a GPU
 job's host CPUs mostly do) and ``--puts`` puts, the last four of which are the phase's steady state:
@@ -16,13 +19,16 @@ job's host CPUs mostly do) and ``--puts`` puts, the last four of which are the p
 
 Reported per phase: each put's put->protected over the phase's steady-state median, the bytes the
 daemons faulted in inside puts and ahead of them (where the fresh-page time went; the restart's
-count only what its daemons did), and the time from the reserve's start to its end.
+count only what its daemons did), the time from the reserve's start to its end, and what a fresh
+page cost at the phase's end (:func:`fresh_page_cost`, the job idle and holding its memory): a put
+that faulted in pages inside it cost about that much per GB more.
 Results: JSON lines in ``bench/results/cold.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -35,6 +41,7 @@ from typing import Any
 from bench._common import Recorder, exit_on_sigterm, table
 from bench._ranks import Workers
 from bench.harness import Cluster
+from transport import shm
 
 HOSTS = 4
 K, M, KEEP = 3, 1, 2
@@ -79,6 +86,27 @@ def _bytes(workers: Workers) -> dict[str, float]:
     for key in ("pool_fresh_bytes", "pool_ahead_bytes", "reserve_wasted_bytes", "warm_bytes"):
         out[key] = float(sum(i["stats"][key] for i in infos))
     return out
+
+
+def fresh_page_cost(directory: Path, nbytes: int = 256 << 20) -> float:
+    """CPU seconds per GB to fault in a new file of shared memory in ``directory`` as the pool
+    does (posix_fallocate, then a write a page on one thread), measured here and now."""
+    path = directory / f"fresh-page-probe-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        f = shm.MappedFile(path, nbytes)
+        try:
+            t0 = time.thread_time()
+            os.posix_fallocate(fd, 0, nbytes)
+            shm.prefault(f.array, threads=1)
+            cpu = time.thread_time() - t0
+        finally:
+            f.close()
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return cpu / (nbytes / 1e9)
 
 
 def _record(
@@ -146,12 +174,14 @@ def run(
             try:
                 workers = Workers(job, root, nbytes, ntensors, HOSTS)
                 staged, protected = _puts(workers, 1, puts, gap, "fresh")
-                _record(rec, "fresh", trial, staged, protected, _bytes(workers))
+                probe = {"fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
+                _record(rec, "fresh", trial, staged, protected, {**_bytes(workers), **probe})
                 daemons.kill()
                 daemons = daemons.relaunch()
                 time.sleep(gap)
                 staged, protected = _puts(workers, puts + 1, puts, gap, "restart")
-                _record(rec, "restart", trial, staged, protected, _bytes(workers))
+                probe = {"fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
+                _record(rec, "restart", trial, staged, protected, {**_bytes(workers), **probe})
             finally:
                 if workers is not None:
                     workers.close()
@@ -174,7 +204,11 @@ def run(
                     trial,
                     staged,
                     protected,
-                    {**_bytes(workers), "start_to_reserve_ready_s": t_ready},
+                    {
+                        **_bytes(workers),
+                        "start_to_reserve_ready_s": t_ready,
+                        "fresh_page_cpu_s_per_gb": fresh_page_cost(root),
+                    },
                 )
             finally:
                 if workers is not None:
@@ -208,13 +242,22 @@ def run(
             r["steady_protected_s"],
             r["pool_fresh_bytes"] / 1e9,
             r["pool_ahead_bytes"] / 1e9,
+            r["fresh_page_cpu_s_per_gb"],
         )
         for r in phases
     ]
     print(
         table(
             rows,
-            ["phase", "trial", "put->protected s", "steady s", "GB in puts", "GB ahead"],
+            [
+                "phase",
+                "trial",
+                "put->protected s",
+                "steady s",
+                "GB in puts",
+                "GB ahead",
+                "fresh page CPU s/GB at end",
+            ],
         )
     )
     print()
