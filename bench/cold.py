@@ -1,13 +1,13 @@
 """``ecsnap bench cold``: the first puts after a start, against steady state in the same job.
 
 A fresh storage job has no shared memory yet: the first ``keep + 1`` puts find no file to reuse,
-and fresh pages cost their first touch: 0.4 to 3.3 CPU s per GB on the 2-core VM this was built
-on, depending on whether the VM's host still backs the guest pages the kernel hands out (pages
-freed seconds before are cheap, others not; the VM's balloon reports free pages to its host).
-Three phases, each on 4
-virtual hosts with RS(3,1), ``--keep 2`` and one trainer per host holding a quarter of the state,
-a put every ``--gap`` seconds (the training step between snapshots; the trainers sleep, as a GPU
-job's host CPUs mostly do) and ``--puts`` puts, the last four of which are the phase's steady state:
+and fresh pages cost their first touch: 0.4 to 4.1 CPU s per GB on the 2-core VM this was built on,
+depending on whether the VM's host still backs the guest pages the kernel hands out (pages freed
+seconds before are cheap, others not; the VM's balloon reports free pages to its host). Three
+phases, each on 4 virtual hosts with RS(3,1), ``--keep 2`` and one trainer per host holding a
+quarter of the state, a put every ``--gap`` seconds (the training step between snapshots; the
+trainers sleep, as a GPU job's host CPUs mostly do) and ``--puts`` puts, the last four of which are
+the phase's steady state:
 
 - ``fresh``: a new job without ``--reserve``. The first put makes its own files; from then on the
   daemons make the next puts' files in idle time (:mod:`storage.warm`).
