@@ -20,8 +20,8 @@ the phase's steady state:
 Reported per phase: each put's put->protected over the phase's steady-state median, the bytes the
 daemons faulted in inside puts and ahead of them (where the fresh-page time went; the restart's
 count only what its daemons did), the time from the reserve's start to its end, and what a fresh
-page cost at the phase's end (:func:`fresh_page_cost`, the job idle and holding its memory): a put
-that faulted in pages inside it cost about that much per GB more.
+page cost at the phase's end (:func:`fresh_page_cost`, the job idle and holding its memory): about
+the CPU each GB a put faulted in inside it cost that put.
 Results: JSON lines in ``bench/results/cold.jsonl``.
 """
 
