@@ -28,7 +28,6 @@ Results: JSON lines in ``bench/results/cold.jsonl``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -89,24 +88,27 @@ def _bytes(workers: Workers) -> dict[str, float]:
 
 
 def fresh_page_cost(directory: Path, nbytes: int = 256 << 20) -> float:
-    """CPU seconds per GB to fault in a new file of shared memory in ``directory`` as the pool
-    does (posix_fallocate, then a write a page on one thread), measured here and now."""
+    """CPU seconds per GB to make a new file of shared memory in ``directory`` as the pool does
+    (:func:`transport.shm.create`: posix_fallocate; then a write a page on one thread), measured
+    here and now."""
     path = directory / f"fresh-page-probe-{uuid.uuid4().hex[:8]}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        f = shm.MappedFile(path, nbytes)
+        t0 = time.thread_time()
+        f = shm.create(path, nbytes, prefault_pages=False, exclusive=True)
         try:
-            t0 = time.thread_time()
-            os.posix_fallocate(fd, 0, nbytes)
             shm.prefault(f.array, threads=1)
             cpu = time.thread_time() - t0
         finally:
             f.close()
     finally:
-        os.close(fd)
         path.unlink(missing_ok=True)
     return cpu / (nbytes / 1e9)
+
+
+def _phase_end(workers: Workers, root: Path) -> dict[str, float]:
+    """What a phase's record says of its end: the bytes faulted in (:func:`_bytes`) and what a
+    fresh page costs now, the job idle and holding its memory."""
+    return {**_bytes(workers), "fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
 
 
 def _record(
@@ -175,14 +177,12 @@ def run(
             try:
                 workers = Workers(job, root, nbytes, ntensors, HOSTS)
                 staged, protected = _puts(workers, 1, puts, gap, "fresh")
-                probe = {"fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
-                _record(rec, "fresh", trial, staged, protected, {**_bytes(workers), **probe})
+                _record(rec, "fresh", trial, staged, protected, _phase_end(workers, root))
                 daemons.kill()
                 daemons = daemons.relaunch()
                 time.sleep(gap)
                 staged, protected = _puts(workers, puts + 1, puts, gap, "restart")
-                probe = {"fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
-                _record(rec, "restart", trial, staged, protected, {**_bytes(workers), **probe})
+                _record(rec, "restart", trial, staged, protected, _phase_end(workers, root))
             finally:
                 if workers is not None:
                     workers.close()
@@ -205,11 +205,7 @@ def run(
                     trial,
                     staged,
                     protected,
-                    {
-                        **_bytes(workers),
-                        "start_to_reserve_ready_s": t_ready,
-                        "fresh_page_cpu_s_per_gb": fresh_page_cost(root),
-                    },
+                    {**_phase_end(workers, root), "start_to_reserve_ready_s": t_ready},
                 )
             finally:
                 if workers is not None:
