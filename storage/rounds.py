@@ -52,7 +52,29 @@ from storage.protocol import (
 from storage.repair import Repairer
 from storage.tier import Tier
 
-__all__ = ["Rounds"]
+__all__ = ["Rounds", "idle_nap"]
+
+# An idle daemon naps between rounds, from IDLE_FIRST doubling with each quiet round up to
+# IDLE_LONGEST, and wakes on a tick of the wall clock (a multiple of its nap): the daemons count
+# the same quiet rounds, so they wake together and a round's collectives find their peers there
+# instead of polling for them. Measured on 4 virtual hosts, 2 cores, idle: naps up to 20 ms,
+# unaligned, cost 80 CPU ms a second (31 rounds a second, half of it polling for peers; beside
+# a training job 136 ms a second, a share of the cores that training lacked); these, 29 ms (8
+# rounds a second, polling 7 ms). The price: a round that one daemon starts alone (a request on
+# a host whose peers nap) waits for their next tick, at most IDLE_LONGEST: a put of one rank
+# after 1.5 s idle took 160 ms to protect against 54 ms. A put of every rank does not pay it
+# (46 ms against 55): each rank wakes its own host's daemon.
+IDLE_FIRST = 0.0005
+IDLE_LONGEST = 0.128
+_QUIET_MAX = 16  # past the longest nap
+
+
+def idle_nap(quiet: int, now: float | None = None) -> float:
+    """Seconds to nap after ``quiet`` quiet rounds: until the wall clock's next multiple of the
+    nap (the clocks of a job's hosts agree to milliseconds; a nap never exceeds its length)."""
+    nap = min(IDLE_FIRST * (1 << min(quiet, _QUIET_MAX)), IDLE_LONGEST)
+    t = time.time() if now is None else now
+    return nap - t % nap
 
 
 class Rounds:
@@ -77,8 +99,8 @@ class Rounds:
     def run(self) -> int:
         """Rounds until a daemon is asked to stop (then every daemon returns 0 together)."""
         h = self.host
-        idle = 0.0005
         hot = False  # the last round moved something somewhere in the job
+        quiet = 0  # rounds in a row that moved nothing anywhere: the same count on every daemon
         while True:
             ballot, group_out, rare_out, busy = self._collect()
             # A round right after one that moved anything polls instead of napping: the next
@@ -103,13 +125,11 @@ class Rounds:
             if job.job_max(Ballot.STOP):
                 return 0
             hot = bool(job.job_sum(Ballot.BUSY) or group_in or rare_in)
-            if job.job_sum(Ballot.BUSY) or self.has_work():
-                idle = 0.0005
-            else:
-                # Peers join a round within ``idle``; a trainer's request starts one at once here.
-                h.wake.wait(idle)
+            quiet = 0 if hot else min(quiet + 1, _QUIET_MAX)
+            if not (job.job_sum(Ballot.BUSY) or self.has_work()):
+                # A trainer's request starts a round at once here; peers join at their next tick.
+                h.wake.wait(idle_nap(quiet))
                 h.wake.clear()
-                idle = min(idle * 2, 0.02)
 
     # -- what this daemon brings to the round ------------------------------------------------------
 
