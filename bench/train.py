@@ -10,9 +10,12 @@ dataloader) trains for a fixed number of steps in each mode, the modes interleav
   previous save to finish before the next one (as DCP requires).
 
 Overhead of a mode = its mean step time / the same repeat's ``none`` mean step time - 1 (mean,
-not median: the snapshot steps are the cost). Results: JSON lines in ``bench/results/train.jsonl``
-with medians and p10/p90 over repeats; the ratio of ecsnap's overhead to DCP's at each frequency
-(target: <= 0.25; no verdict where DCP's overhead is itself below zero in a repeat: noise).
+not median: the snapshot steps are the cost). The daemons run through every mode, ``none``
+included, so what they cost while idle is in the baseline, not in an overhead: it is reported
+beside them, as the CPU the daemons used over each ``none`` run, a share of the machine's
+cores. Results: JSON lines in ``bench/results/train.jsonl`` with medians and p10/p90 over
+repeats; the ratio of ecsnap's overhead to DCP's at each frequency (target: <= 0.25; no verdict
+where DCP's overhead is itself below zero in a repeat: noise).
 """
 
 from __future__ import annotations
@@ -117,6 +120,20 @@ def _run(mode: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return gloo_ranks("bench.train", {**cfg, "mode": mode}, WORLD, f"mode {mode}")
 
 
+def daemons_cpu(job: str, root: Path) -> float:
+    """CPU seconds the job's daemons have used so far, summed over its hosts (their ``info``)."""
+    import storage
+
+    total = 0.0
+    for host in range(WORLD):
+        store = storage.connect(job, rank=host, world_size=WORLD, host=f"host{host}", root=root)
+        try:
+            total += sum(store.info()["cpu"].values())
+        finally:
+            store.close()
+    return total
+
+
 def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
     from bench._common import summarize
     from bench.harness import Cluster
@@ -145,6 +162,7 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
     )
     daemons = Cluster(root, hosts=WORLD, k=3, m=1, job=job, log=root / "daemons.log")
     overhead: dict[str, list[float]] = {m: [] for m in modes if m != "none"}
+    idle_share: list[float] = []  # the idle daemons' CPU over the ``none`` runs / the cores
     step_s: dict[str, list[float]] = {m: [] for m in modes}
     model_bytes = 0
     try:
@@ -162,7 +180,14 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
                     "dcp_dir": str(dcp_dir),
                 }
                 step0 += steps
+                if mode == "none":
+                    cpu0, t0 = daemons_cpu(job, root), time.monotonic()
                 res = _run(mode, cfg)
+                if mode == "none":
+                    seconds = time.monotonic() - t0
+                    idle_share.append(
+                        100.0 * (daemons_cpu(job, root) - cpu0) / (seconds * (os.cpu_count() or 1))
+                    )
                 shutil.rmtree(dcp_dir, ignore_errors=True)
                 model_bytes = res[0]["model_bytes"]
                 # the job's step time: the slowest rank's mean after warm-up
@@ -195,6 +220,16 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
             samples=q,
         )
         rows.append((mode, med, min(q), max(q)))
+    q = sorted(idle_share)
+    rec.add(
+        kind="idle",
+        name="daemons' CPU while training without snapshots",
+        unit="percent of the cores",
+        median=statistics.median(q),
+        samples=q,
+        cores=os.cpu_count(),
+    )
+    rows.append(("(idle daemons' CPU, % of cores)", statistics.median(q), q[0], q[-1]))
     ratios = []
     for n in ("1", "10"):
         e, d = statistics.median(overhead[f"ecsnap/{n}"]), statistics.median(overhead[f"dcp/{n}"])
