@@ -219,11 +219,14 @@ def gloo_ranks(
             )
         )
     out = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        _reap(procs)  # the ranks left when one failed or the benchmark was stopped
     return out
 
 
