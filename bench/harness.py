@@ -226,7 +226,7 @@ def gloo_ranks(
                 raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
             out.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
-        _reap(procs)  # the ranks left when one failed or the benchmark was stopped
+        _reap([p for p in procs if p.returncode is None])  # left when one failed, or stopped
     return out
 
 
