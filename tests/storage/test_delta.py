@@ -178,3 +178,65 @@ def test_references_point_into_the_base_that_holds_the_bytes() -> None:
     assert offsets == {leaf.offset for i, leaf in enumerate(first.leaves) if i != 3}
     # the digests are 128-bit
     assert all(len(leaf.digest or "") == 32 for leaf in third.leaves)
+
+
+def _puts(state: dict[str, Any], change: Callable[[int], None], n: int) -> list[delta.Plan]:
+    """``n`` puts of ``state``, each after ``change(i)``, each planned against the one before
+    (as once every put is protected before the next)."""
+    plans: list[delta.Plan] = []
+    kept: delta.Kept | None = None
+    for i in range(n):
+        change(i)
+        p = _plan(state, kept)
+        kept = p.kept(i + 1, kept, f"t{i + 1}")
+        plans.append(p)
+    return plans
+
+
+def test_a_leaf_changing_behind_its_counter_at_every_put_stops_being_hashed() -> None:
+    s = _state_of()
+    size = s["b"].nbytes
+
+    def change(i: int) -> None:
+        s["b"].data[0] = float(i)  # as ZeRO's broadcast: the counter does not move
+
+    plans = _puts(s, change, 2 * delta.REHASH_EVERY + 2)
+    hashed_b = [p.hashed_bytes - plans[1].hashed_bytes + size for p in plans[1:]]
+    # puts 2 and 3 hash b and find it changed; from then on it is copied unhashed, but for two
+    # puts in a row out of every REHASH_EVERY
+    skipped = [i for i, h in enumerate(hashed_b, start=2) if h == 0]
+    expected = [k for k in range(2, len(plans) + 1) if (k - 2) % delta.REHASH_EVERY >= 2]
+    assert skipped == expected and min(skipped) == 2 + delta.SKIP_AFTER
+    for p in plans[1:]:  # b is always copied, never taken for unchanged
+        assert not p.leaves[1].ref
+        assert p.leaves[0].ref and p.leaves[4].ref  # a and frozen are referenced throughout
+    assert all(p.leaves[1].digest is None for i, p in enumerate(plans, 1) if i in skipped)
+
+
+def test_a_leaf_that_stops_changing_is_found_unchanged_again_within_rehash_every_puts() -> None:
+    s = _state_of()
+    stop = 5
+
+    def change(i: int) -> None:
+        if i < stop:
+            s["c"].data[0] = float(i)
+
+    plans = _puts(s, change, stop + delta.REHASH_EVERY + 3)
+    assert any(p.leaves[2].digest is None for p in plans)  # it was skipped for a while
+    found = [i for i, p in enumerate(plans) if i >= stop and p.changed[2] == 0]
+    assert found and found[0] <= stop + delta.REHASH_EVERY
+    for p in plans[found[0] :]:  # from then on hashed at every put, and found unchanged
+        assert p.leaves[2].digest is not None and p.changed[2] == 0
+
+
+def test_a_skipped_leaf_counts_as_certain_bytes_for_the_dry_alloc() -> None:
+    s = _state_of()
+
+    def change(i: int) -> None:
+        s["a"].data[0] = float(i)
+
+    plans = _puts(s, change, 4)
+    _, leaves, _ = _state.flatten(s)
+    kept = plans[-1].kept(4, None, "t4")
+    assert kept.skips(0)
+    assert kept.certain(leaves) >= s["a"].nbytes
