@@ -9,6 +9,10 @@ dataloader) trains for a fixed number of steps in each mode, the modes interleav
 - ``dcp/N``: ``dcp.async_save`` of the same state every N steps to /dev/shm, waiting for the
   previous save to finish before the next one (as DCP requires).
 
+Each repeat runs the modes in turn, starting one mode later than the repeat before: over five
+repeats every mode runs once in every place, so that a drift within a repeat does not always
+favour the same mode.
+
 Overhead of a mode = its mean step time / the same repeat's ``none`` mean step time - 1 (mean,
 not median: the snapshot steps are the cost). The daemons run through every mode, ``none``
 included, so what they cost while idle is in the baseline, not in an overhead: it is reported
@@ -169,7 +173,10 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
         step0 = 0
         for r in range(repeats):
             means = {}
-            for mode in modes:
+            # each repeat starts one mode later: over as many repeats as modes, every mode runs
+            # once in every place (one repeat ran none first at 1170 ms a step, ecsnap/10 later
+            # at 1050: a drift within a repeat as large as the overheads)
+            for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 dcp_dir = root / f"dcp-{r}-{mode.replace('/', '-')}"
                 cfg = {
                     "job": job,
