@@ -226,7 +226,7 @@ def gloo_ranks(
                 raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
             out.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
-        _reap([p for p in procs if p.returncode is None])  # left when one failed, or stopped
+        _reap(procs)  # the ranks left when one failed, or the benchmark was stopped
     return out
 
 
@@ -259,7 +259,11 @@ def close_all(stores: list[Any]) -> None:
 
 
 def _reap(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill the processes still running and reap them; those already reaped (their output read
+    by ``communicate``, whose pipes are closed) are left alone."""
     for q in procs:
+        if q.returncode is not None:
+            continue
         if q.poll() is None:
             q.kill()
         q.communicate()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import Recorder, exit_on_sigterm, table
-from bench.harness import gloo_ranks
+from bench.harness import Cluster, close_all, gloo_ranks
 
 WORLD = 4
 REPO = Path(__file__).resolve().parent.parent
@@ -124,23 +124,18 @@ def _run(mode: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return gloo_ranks("bench.train", {**cfg, "mode": mode}, WORLD, f"mode {mode}")
 
 
-def daemons_cpu(job: str, root: Path) -> float:
-    """CPU seconds the job's daemons have used so far, summed over its hosts (their ``info``)."""
-    import storage
-
-    total = 0.0
-    for host in range(WORLD):
-        store = storage.connect(job, rank=host, world_size=WORLD, host=f"host{host}", root=root)
-        try:
-            total += sum(store.info()["cpu"].values())
-        finally:
-            store.close()
-    return total
+def daemons_cpu(daemons: Cluster) -> float:
+    """CPU seconds the daemons of a :class:`~bench.harness.Cluster` have used so far, summed
+    over its hosts (their ``info``)."""
+    stores = daemons.stores(WORLD)
+    try:
+        return float(sum(sum(s.info()["cpu"].values()) for s in stores))
+    finally:
+        close_all(stores)
 
 
 def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
     from bench._common import summarize
-    from bench.harness import Cluster
 
     repeats = repeats or (2 if quick else 5)
     steps = steps or (20 if quick else 40)
@@ -188,12 +183,12 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
                 }
                 step0 += steps
                 if mode == "none":
-                    cpu0, t0 = daemons_cpu(job, root), time.monotonic()
+                    cpu0, t0 = daemons_cpu(daemons), time.monotonic()
                 res = _run(mode, cfg)
                 if mode == "none":
                     seconds = time.monotonic() - t0
                     idle_share.append(
-                        100.0 * (daemons_cpu(job, root) - cpu0) / (seconds * (os.cpu_count() or 1))
+                        100.0 * (daemons_cpu(daemons) - cpu0) / (seconds * (os.cpu_count() or 1))
                     )
                 shutil.rmtree(dcp_dir, ignore_errors=True)
                 model_bytes = res[0]["model_bytes"]

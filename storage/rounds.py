@@ -125,7 +125,7 @@ class Rounds:
             if job.job_max(Ballot.STOP):
                 return 0
             hot = bool(job.job_sum(Ballot.BUSY) or group_in or rare_in)
-            quiet = 0 if hot else min(quiet + 1, _QUIET_MAX)
+            quiet = 0 if hot else quiet + 1
             if not (job.job_sum(Ballot.BUSY) or self.has_work()):
                 # A trainer's request starts a round at once here; peers join at their next tick.
                 h.wake.wait(idle_nap(quiet))

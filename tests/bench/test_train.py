@@ -15,9 +15,9 @@ from bench.train import WORLD, daemons_cpu
 def test_the_idle_daemons_cpu_is_read_from_every_host_and_grows(shm_root: Path) -> None:
     cluster = Cluster(shm_root, hosts=WORLD, k=3, m=1, job="train")
     try:
-        first = daemons_cpu("train", shm_root)
+        first = daemons_cpu(cluster)
         time.sleep(1.0)  # idle rounds, every host's
-        second = daemons_cpu("train", shm_root)
+        second = daemons_cpu(cluster)
         # every daemon has run its start-up and rounds: CPU time, counted once per host
         assert 0 < first < second
     finally:
