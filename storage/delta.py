@@ -184,13 +184,13 @@ def plan(leaves: list[Leaf], last: Kept | None, sources: list[np.ndarray[Any, An
         candidates = [(last.base, last.in_base, last.base_bytes)]
         if last.step != last.base:
             candidates.append((last.step, last.own, last.own_bytes))
+        keys = [key(leaf) for leaf in leaves]
         best = 0
         for step, held, total in candidates:
-            found = sum(leaf.nbytes for leaf in leaves if key(leaf) in held)
+            found = sum(leaf.nbytes for leaf, k in zip(leaves, keys, strict=True) if k in held)
             if found > best and 2 * found >= total:
                 best, base, refs = found, step, held
-        for i, leaf in enumerate(leaves):
-            k = key(leaf)
+        for i, k in enumerate(keys):
             if sources[i] is not None and not any(k in held for _, held, _ in candidates):
                 changed[i] = (last.changed[i] if i < len(last.changed) else 0) + 1
     own, ref_bytes = _lay_out(leaves, refs)  # (refs stays empty without a base)
