@@ -8,8 +8,11 @@ memory speed.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,16 +33,30 @@ _PAGE = mmap.PAGESIZE
 # 381 ms instead of 435 ms.
 _PARALLEL_BYTES = 64 << 20
 
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+: the kernel maps the pages in for writing in one
+# call, without a write that changes a byte. Measured here (gVisor on a 2-core VM), 512 MB of
+# /dev/shm after posix_fallocate, in 64 MiB pieces on one thread, six alternated runs each:
+# 0.20-0.25 CPU s against 0.26-0.33 for a write of a zero per page. Where the kernel refuses it
+# (older kernels: EINVAL), the write per page does it.
+_MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_populate_works = sys.platform.startswith("linux")  # False once the kernel refused it
+
 
 def prefault(
     view: npt.NDArray[np.uint8],
     threads: int | None = None,
     on_thread: Callable[[float], None] | None = None,
 ) -> None:
-    """Touch every page of ``view`` once (writes a zero per page) so later writes do not fault.
+    """Map in every page of ``view`` for writing, so later writes do not fault.
 
+    The kernel does it in one call where it can (``MADV_POPULATE_WRITE``: the bytes stay as
+    they are); elsewhere a zero is written to one byte of each page, the view's first and last.
     A large view is split into page-aligned pieces touched by up to ``threads`` threads (default:
-    the CPUs this process may run on, at most 8); numpy drops the GIL for the strided write.
+    the CPUs this process may run on, at most 8); neither the kernel call nor numpy's strided
+    write holds the GIL.
     ``on_thread`` is told each helper thread's CPU seconds (the caller's own are its own).
     """
     if not view.size:
@@ -48,11 +65,13 @@ def prefault(
         threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     n = max(1, min(threads, view.size // _PARALLEL_BYTES))
     if n == 1:
-        _touch(view)
+        _touch(view, last=True)
     else:
         piece = -(-view.size // n // _PAGE) * _PAGE
         workers = [
-            threading.Thread(target=_touch, args=(view[i * piece : (i + 1) * piece], on_thread))
+            threading.Thread(
+                target=_touch, args=(view[i * piece : (i + 1) * piece], on_thread, i == n - 1)
+            )
             for i in range(1, n)
         ]
         for w in workers:
@@ -62,14 +81,36 @@ def prefault(
         finally:
             for w in workers:
                 w.join()
-    view[-1] = 0
 
 
-def _touch(view: npt.NDArray[np.uint8], on_thread: Callable[[float], None] | None = None) -> None:
+def _touch(
+    view: npt.NDArray[np.uint8],
+    on_thread: Callable[[float], None] | None = None,
+    last: bool = False,
+) -> None:
+    """Map in ``view``'s pages (the view's ``last`` piece: a write reaches its last byte)."""
     t0 = time.thread_time()
-    view[::_PAGE] = 0
+    if not _populate(view):
+        view[::_PAGE] = 0
+        if last:
+            view[-1] = 0
     if on_thread is not None:
         on_thread(time.thread_time() - t0)
+
+
+def _populate(view: npt.NDArray[np.uint8]) -> bool:
+    """``MADV_POPULATE_WRITE`` over the pages ``view`` lies in; whether the kernel did it."""
+    global _populate_works
+    if not _populate_works:
+        return False
+    start = view.ctypes.data // _PAGE * _PAGE
+    end = -(-(view.ctypes.data + view.size) // _PAGE) * _PAGE
+    if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        _populate_works = False  # this kernel has no such advice
+    return False  # EFAULT, ENOMEM (the file system is full), EINTR...: the writes find out
 
 
 class MappedFile:
