@@ -28,7 +28,15 @@ from transport import shm
 __all__ = ["RESERVE", "Buffer", "Pool"]
 
 RESERVE = "v"  # the prefix of reserve files: pre-faulted memory of no purpose yet
-_PIECE = 64 << 20  # a file made ahead of need is allocated and faulted in pieces this big
+# A file made ahead of need is allocated and faulted in pieces this big; between pieces the
+# warmer gives way to live work, so a put that starts meanwhile shares the cores with at most one
+# piece per host. At 3-4 CPU s per GB of fresh pages (this VM, after a job freed its memory) a
+# 64 MiB piece took up to 0.25 s. A fresh job's second put, 3 s after the first (4 virtual hosts,
+# 1.5 GB, RS(3,1)), put->protected: 64 MiB pieces and a write per page 0.80 and 1.12 s (two
+# runs); 64 MiB and MADV_POPULATE_WRITE (transport.shm.prefault) 0.95 s, 8 MiB and a write per
+# page 0.93 s (one run each); 8 MiB and MADV_POPULATE_WRITE 0.52 and 0.55 s (two runs: 1.07 and
+# 1.16x the run's steady put).
+_PIECE = 8 << 20
 _PIECE_WAIT = 1.0  # seconds between a waiting take's looks at the pieces being faulted in
 
 
@@ -297,7 +305,7 @@ class Pool:
         """Make a free file of ``size`` bytes for later takes of ``prefix``, ahead of need.
 
         The file is free from the start, *partial* (:attr:`partial`: its bytes faulted in so
-        far) until :meth:`advance` has allocated and faulted it all in, 64 MiB a piece, pausing
+        far) until :meth:`advance` has allocated and faulted it all in, 8 MiB a piece, pausing
         between pieces while live work runs. A take that picks a partial file faults in only the
         rest; one that comes while a piece is being faulted in waits for that piece first.
         Returns None, making nothing, when the file would not fit the budget or the file system;

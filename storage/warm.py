@@ -4,7 +4,7 @@ A fresh file of shared memory costs its first touch (about 1.5 GB/s here, 0.5 s 
 two threads of :func:`transport.shm.prefault`), and a put that finds no free file of its size in
 the pool pays that inside its put->protected: the first ``keep + 1`` puts after a start, until
 retention frees files for reuse. The warmer makes those files before they are asked for, on a
-thread of its own, one 64 MiB piece at a time and only while the host is idle (no shard being
+thread of its own, one 8 MiB piece at a time and only while the host is idle (no shard being
 staged, no step staging, ready or encoding, no trainer waiting to hear its step is protected:
 live work always goes first):
 

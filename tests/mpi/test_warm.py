@@ -147,7 +147,7 @@ def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path
     # then, in 0.5-1 s, where the pages had been faulted in before (4 GB/s a core here)
     with _cluster(shm_root, ["--keep", "6"]) as cluster, _stores(cluster) as stores:
         _put(stores, 1, nbytes=192 << 20)
-        # the warmers now make the next puts' files, 64 MiB a piece, for seconds
+        # the warmers now make the next puts' files, 8 MiB a piece, for seconds
         ahead = lambda i: int(stores[i].info()["stats"]["pool_ahead_bytes"])  # noqa: E731
         _until("host0's warmer at work", lambda: ahead(0) > 0)
         pid = cluster.daemon_pid("host3")

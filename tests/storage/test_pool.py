@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from storage.errors import CapacityError
-from storage.pool import RESERVE, Pool
+from storage.pool import _PIECE, RESERVE, Pool
 from transport import shm
 
 
@@ -102,9 +102,9 @@ def test_a_file_made_ahead_serves_the_next_take_with_no_fresh_pages(host_dir: Pa
 
 
 def test_a_take_finishes_a_file_the_warmer_paused_on(host_dir: Path) -> None:
-    """Made ahead in 64 MiB pieces; live work came after the first: the take faults in the rest."""
+    """Made ahead in pieces; live work came after the first: the take faults in the rest."""
     pool = Pool(host_dir, budget=None)
-    size = (64 << 20) + (1 << 20)
+    size = _PIECE + (1 << 20)
     calls = []
 
     def pause_after_one() -> bool:
@@ -112,7 +112,7 @@ def test_a_take_finishes_a_file_the_warmer_paused_on(host_dir: Path) -> None:
         return len(calls) == 1  # one piece, then "the daemon is stopping"
 
     made = pool.make(size, "p", pause_after_one)
-    assert made is not None and pool.partial == {made.name: 64 << 20}
+    assert made is not None and pool.partial == {made.name: _PIECE}
     got = pool.take(size, "p")
     assert got.name == made.name and made.name not in pool.partial
     assert pool.fresh_bytes == 1 << 20  # only the piece that was missing
@@ -127,7 +127,7 @@ def test_a_take_waits_for_the_piece_the_warmer_is_faulting_in_and_finishes_the_f
     for that piece, then faults in only the rest; it does not make (and fault in) a whole new
     file beside it."""
     pool = Pool(host_dir, budget=None)
-    size = (64 << 20) + (1 << 20)
+    size = _PIECE + (1 << 20)
     real_fault = pool._fault
     in_piece, go_on = threading.Event(), threading.Event()
 
@@ -159,7 +159,7 @@ def test_a_take_waits_for_the_piece_the_warmer_is_faulting_in_and_finishes_the_f
     warmer.join(30)
     assert got[0].name == made.name and made.name not in pool.partial
     assert pool.fresh_bytes == 1 << 20  # only what the warmer had not faulted in
-    assert pool.ahead_bytes == 64 << 20 and not pool.advancing
+    assert pool.ahead_bytes == _PIECE and not pool.advancing
 
 
 def test_a_reserve_file_turns_into_the_file_a_take_needs(host_dir: Path) -> None:
