@@ -88,9 +88,9 @@ def _bytes(workers: Workers) -> dict[str, float]:
 
 
 def fresh_page_cost(directory: Path, nbytes: int = 256 << 20) -> float:
-    """CPU seconds per GB to make a new file of shared memory in ``directory`` as the pool does
-    (:func:`transport.shm.create`: posix_fallocate; then a write a page on one thread), measured
-    here and now."""
+    """CPU seconds per GB to make a new file of shared memory in ``directory`` as the pool's
+    warmer does (:func:`transport.shm.create`: posix_fallocate; then
+    :func:`transport.shm.prefault` on one thread), measured here and now."""
     path = directory / f"fresh-page-probe-{uuid.uuid4().hex[:8]}"
     try:
         t0 = time.thread_time()
