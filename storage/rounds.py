@@ -52,7 +52,7 @@ from storage.protocol import (
 from storage.repair import Repairer
 from storage.tier import Tier
 
-__all__ = ["Rounds", "idle_nap"]
+__all__ = ["Rounds", "idle_nap", "next_quiet"]
 
 # An idle daemon naps between rounds, from IDLE_FIRST doubling with each quiet round up to
 # IDLE_LONGEST, and wakes on a tick of the wall clock (a multiple of its nap): the daemons count
@@ -64,6 +64,19 @@ __all__ = ["Rounds", "idle_nap"]
 # a host whose peers nap) waits for their next tick, at most IDLE_LONGEST: a put of one rank
 # after 1.5 s idle took 160 ms to protect against 54 ms. A put of every rank does not pay it
 # (46 ms against 55): each rank wakes its own host's daemon.
+#
+# The naps grow from IDLE_FIRST while some step is in flight (it holds a lane, the same on every
+# daemon): its next event (a rank's staged shard, on one host) then finds its peers within a nap
+# of a few milliseconds. Once the last step in flight is done, and it was put by at least as
+# many ranks as the job has hosts (a training job's put, a rank or more on every host), a quiet
+# round naps the longest at once: the next event is the next put, whose ranks wake their own
+# hosts' daemons, and the growing naps after each put were a fifth of a training step's rounds.
+# Beside the demo's GPT training (4 ranks, 4 virtual hosts, 2 cores, a put every step, two
+# alternated pairs of 30 steps): 20 rounds a step against 25-26, the daemons' CPU 186-189 ms a
+# step against 204-207, step time 8.6 and 7.9 % over training alone against 10.6 and 13.6.
+# After a put of fewer ranks the naps still grow from IDLE_FIRST: a put of one rank right after
+# it would otherwise wait for its peers' tick (back to back, 4 virtual hosts: 129 ms
+# put->protected against 52).
 IDLE_FIRST = 0.0005
 IDLE_LONGEST = 0.128
 _QUIET_MAX = 16  # past the longest nap
@@ -75,6 +88,14 @@ def idle_nap(quiet: int, now: float | None = None) -> float:
     nap = min(IDLE_FIRST * (1 << min(quiet, _QUIET_MAX)), IDLE_LONGEST)
     t = time.time() if now is None else now
     return nap - t % nap
+
+
+def next_quiet(quiet: int, hot: bool, ramp: bool) -> int:
+    """The count of quiet rounds after a round: none after one that moved something anywhere;
+    after a quiet one, one more if the naps ``ramp`` up, else past the longest nap at once."""
+    if hot:
+        return 0
+    return quiet + 1 if ramp else _QUIET_MAX
 
 
 class Rounds:
@@ -94,6 +115,8 @@ class Rounds:
         self.tier = tier
         self.leases = leases
         self.waiting: dict[int, list[Staged]] = {}  # staged here, their step not in a lane yet
+        # the last step to leave flight had as many ranks as the job has hosts (see idle_nap)
+        self.settle = False
 
     @charged("rounds")
     def run(self) -> int:
@@ -125,7 +148,8 @@ class Rounds:
             if job.job_max(Ballot.STOP):
                 return 0
             hot = bool(job.job_sum(Ballot.BUSY) or group_in or rare_in)
-            quiet = 0 if hot else quiet + 1
+            in_flight = any(s is not None for s in h.catalog.lanes)
+            quiet = next_quiet(quiet, hot, ramp=in_flight or not self.settle)
             if not (job.job_sum(Ballot.BUSY) or self.has_work()):
                 # A trainer's request starts a round at once here; peers join at their next tick.
                 h.wake.wait(idle_nap(quiet))
@@ -219,6 +243,8 @@ class Rounds:
                     self._group_event(g.slots[pos], raw)
             for rec in h.catalog.count(job):
                 h.local.setdefault(rec.step, Local())
+                if not rec.state.in_flight:
+                    self.settle = rec.world_size >= h.links.size
             for payload in rare_in:
                 for raw in payload or []:
                     self._rare_event(raw)

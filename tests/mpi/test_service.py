@@ -6,14 +6,16 @@ import os
 import re
 import signal
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 
 import storage
-from bench.harness import REPO, Cluster, make_state, same
+from bench.harness import REPO, Cluster, close_all, make_state, same
 from storage import launch
+from storage.rounds import IDLE_LONGEST
 
 from ._trainer import trainers
 
@@ -39,6 +41,32 @@ def test_round_trip_overlapping_puts_retention(shm_root: Path, k: int, m: int) -
         re.fullmatch(r"ecsnap\[host\d\] [^\n]*", line) and line.count("ecsnap[") == 1
         for line in lines
     ), lines
+
+
+def test_after_a_put_of_every_host_the_daemons_nap_the_longest_at_once(shm_root: Path) -> None:
+    """Once a put of a rank on every host is protected, the daemons' next quiet round naps
+    IDLE_LONGEST: the rounds of the next 4 such naps come at their ticks, at most 5, where naps
+    doubling from 0.5 ms would have run about 8 in the first IDLE_LONGEST alone. (A slower
+    machine runs fewer rounds, never more.)"""
+    cluster = Cluster(shm_root, hosts=4, k=3, m=1)
+    try:
+        stores = cluster.stores(4)
+        try:
+            for step in (1, 2):
+                handles = [
+                    s.put(step, make_state(r, step, nbytes=1 << 20, tensors=2))
+                    for r, s in enumerate(stores)
+                ]
+                for h in handles:
+                    h.wait(60)
+            before = stores[0].info()["rounds"]
+            time.sleep(4 * IDLE_LONGEST)
+            rounds = stores[0].info()["rounds"] - before
+        finally:
+            close_all(stores)
+    finally:
+        assert cluster.stop() == 0
+    assert 1 <= rounds <= 5, rounds
 
 
 def test_partial_step_never_visible(shm_root: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.rounds import IDLE_FIRST, IDLE_LONGEST, idle_nap
+from storage.rounds import IDLE_FIRST, IDLE_LONGEST, idle_nap, next_quiet
 
 
 @pytest.mark.parametrize("quiet", [0, 1, 2, 5, 8, 16, 40])
@@ -33,3 +33,19 @@ def test_daemons_that_end_a_round_apart_wake_together() -> None:
         ends = [5000.0011, 5000.0032, 5000.0047, 5000.0090]
         wakes = {round(t + idle_nap(quiet, t), 9) for t in ends}
         assert len(wakes) == 1, (quiet, wakes)
+
+
+def test_naps_grow_step_by_step_only_while_they_ramp() -> None:
+    quiet = 0
+    naps = []
+    for _ in range(4):  # a put's staging: quiet rounds, a step in flight
+        quiet = next_quiet(quiet, hot=False, ramp=True)
+        naps.append(idle_nap(quiet, 0.0))
+    assert naps == pytest.approx([2 * IDLE_FIRST, 4 * IDLE_FIRST, 8 * IDLE_FIRST, 16 * IDLE_FIRST])
+    assert next_quiet(quiet, hot=True, ramp=True) == 0  # a rank's shard staged
+    assert next_quiet(quiet, hot=True, ramp=False) == 0  # the step protected
+    # the first quiet round after a put of every host's ranks: the longest nap at once, and stays
+    quiet = next_quiet(0, hot=False, ramp=False)
+    assert idle_nap(quiet, 0.0) == pytest.approx(IDLE_LONGEST)
+    again = next_quiet(quiet, hot=False, ramp=False)
+    assert idle_nap(again, 0.0) == pytest.approx(IDLE_LONGEST)
