@@ -115,7 +115,7 @@ class Rounds:
         self.tier = tier
         self.leases = leases
         self.waiting: dict[int, list[Staged]] = {}  # staged here, their step not in a lane yet
-        # the last step to leave flight had as many ranks as the job has hosts (see idle_nap)
+        # the last step to leave flight had as many ranks as the job has hosts (see IDLE_FIRST)
         self.settle = False
 
     @charged("rounds")
