@@ -19,9 +19,11 @@ the phase's steady state:
 
 Reported per phase: each put's put->protected over the phase's steady-state median, the bytes the
 daemons faulted in inside puts and ahead of them (where the fresh-page time went; the restart's
-count only what its daemons did), the time from the reserve's start to its end, and what a fresh
-page cost at the phase's end (:func:`fresh_page_cost`, the job idle and holding its memory): about
-the CPU each GB a put faulted in inside it cost that put.
+count only what its daemons did), and inside each put (the part of its files not made ahead when
+it came), the time from the reserve's start to its end, the warmers' CPU per GB they faulted in
+(what fresh pages cost the daemons during the phase), and what a fresh page cost at the phase's
+end (:func:`fresh_page_cost`, the job idle and holding its memory): about the CPU each GB a put
+faulted in inside it cost that put.
 Results: JSON lines in ``bench/results/cold.jsonl``.
 """
 
@@ -61,29 +63,37 @@ def _cluster(root: Path, job: str, extra: list[str]) -> Cluster:
 
 def _puts(
     workers: Workers, first: int, n: int, gap: float, label: str
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float]]:
     """``n`` puts from step ``first``, ``gap`` seconds apart; put->staged and put->protected of
-    the slowest rank of each."""
-    staged, protected = [], []
+    the slowest rank of each, and the bytes each put faulted in itself (summed over the hosts:
+    the part of its files that was not made ahead when it came)."""
+    staged, protected, faulted = [], [], []
+    before = _bytes(workers)["pool_fresh_bytes"]
     for i in range(n):
         if i:
             time.sleep(gap)
         puts = workers.all({"op": "put", "step": first + i})
         staged.append(max(p["staged"] for p in puts))
         protected.append(max(p["protected"] for p in puts))
+        after = _bytes(workers)["pool_fresh_bytes"]
+        faulted.append(after - before)
+        before = after
         print(
-            f"{label} put {i + 1}/{n}: staged {staged[-1]:.3f}s protected {protected[-1]:.3f}s",
+            f"{label} put {i + 1}/{n}: staged {staged[-1]:.3f}s protected {protected[-1]:.3f}s, "
+            f"{faulted[-1] / 1e9:.3f} GB faulted in inside it",
             file=sys.stderr,
         )
-    return staged, protected
+    return staged, protected, faulted
 
 
 def _bytes(workers: Workers) -> dict[str, float]:
-    """Summed over the hosts: bytes faulted in inside takes and ahead of need."""
+    """Summed over the hosts: bytes faulted in inside takes and ahead of need, and the CPU the
+    warmers spent (``warm_cpu_s``: their thread's, faulting in nearly all of it)."""
     infos = workers.all({"op": "info"})
     out: dict[str, float] = {}
     for key in ("pool_fresh_bytes", "pool_ahead_bytes", "reserve_wasted_bytes", "warm_bytes"):
         out[key] = float(sum(i["stats"][key] for i in infos))
+    out["warm_cpu_s"] = float(sum(i["cpu"]["warm"] for i in infos))
     return out
 
 
@@ -108,7 +118,11 @@ def fresh_page_cost(directory: Path, nbytes: int = 256 << 20) -> float:
 def _phase_end(workers: Workers, root: Path) -> dict[str, float]:
     """What a phase's record says of its end: the bytes faulted in (:func:`_bytes`) and what a
     fresh page costs now, the job idle and holding its memory."""
-    return {**_bytes(workers), "fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
+    out = _bytes(workers)
+    ahead = out["pool_ahead_bytes"] / 1e9
+    # what the daemons' own fresh pages cost them in this phase, beside the probe's at its end
+    out["warm_cpu_s_per_gb"] = out["warm_cpu_s"] / ahead if ahead else 0.0
+    return {**out, "fresh_page_cpu_s_per_gb": fresh_page_cost(root)}
 
 
 def _record(
@@ -117,6 +131,7 @@ def _record(
     trial: int,
     staged: list[float],
     protected: list[float],
+    faulted: list[float],
     extra: dict[str, float],
 ) -> dict[str, Any]:
     steady = statistics.median(protected[-4:])
@@ -130,6 +145,7 @@ def _record(
         steady_protected_s=steady,
         steady_staged_s=steady_staged,
         over_steady=[p / steady for p in protected],
+        put_faulted_bytes=faulted,
         **extra,
     )
 
@@ -176,13 +192,15 @@ def run(
             workers = None
             try:
                 workers = Workers(job, root, nbytes, ntensors, HOSTS)
-                staged, protected = _puts(workers, 1, puts, gap, "fresh")
-                _record(rec, "fresh", trial, staged, protected, _phase_end(workers, root))
+                staged, protected, faulted = _puts(workers, 1, puts, gap, "fresh")
+                _record(rec, "fresh", trial, staged, protected, faulted, _phase_end(workers, root))
                 daemons.kill()
                 daemons = daemons.relaunch()
                 time.sleep(gap)
-                staged, protected = _puts(workers, puts + 1, puts, gap, "restart")
-                _record(rec, "restart", trial, staged, protected, _phase_end(workers, root))
+                staged, protected, faulted = _puts(workers, puts + 1, puts, gap, "restart")
+                _record(
+                    rec, "restart", trial, staged, protected, faulted, _phase_end(workers, root)
+                )
             finally:
                 if workers is not None:
                     workers.close()
@@ -198,13 +216,14 @@ def run(
                 while not all(i["stats"]["reserve_bytes"] for i in workers.all({"op": "info"})):
                     time.sleep(0.05)
                 t_ready = time.perf_counter() - t0
-                staged, protected = _puts(workers, 1, puts, gap, "reserve")
+                staged, protected, faulted = _puts(workers, 1, puts, gap, "reserve")
                 _record(
                     rec,
                     "reserve",
                     trial,
                     staged,
                     protected,
+                    faulted,
                     {**_phase_end(workers, root), "start_to_reserve_ready_s": t_ready},
                 )
             finally:
@@ -239,6 +258,8 @@ def run(
             r["steady_protected_s"],
             r["pool_fresh_bytes"] / 1e9,
             r["pool_ahead_bytes"] / 1e9,
+            " ".join(f"{x / 1e9:.2f}" for x in r["put_faulted_bytes"][:3]),
+            r["warm_cpu_s_per_gb"],
             r["fresh_page_cpu_s_per_gb"],
         )
         for r in phases
@@ -253,6 +274,8 @@ def run(
                 "steady s",
                 "GB in puts",
                 "GB ahead",
+                "GB in puts 1-3",
+                "warmers' CPU s/GB",
                 "fresh page CPU s/GB at end",
             ],
         )
