@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from storage.exchange import COPY, ENCODE, PARITY, Plan
+from storage.config import CHUNK_BYTES, ServeConfig
+from storage.exchange import COPY, ENCODE, PARITY, Plan, half_window
 from storage.placement import Group, HostBlob, StripeLayout
 
 CB = 1000
@@ -96,3 +97,35 @@ def test_a_plan_is_made_once_per_layout() -> None:
 
 def w0_of(s: int, window: int) -> int:
     return s - s % window
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (2, 2), (1, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("chunk_bytes", [CHUNK_BYTES, 1 << 20, 64 << 20])
+def test_over_a_network_every_host_encodes_in_every_window(
+    k: int, m: int, chunk_bytes: int
+) -> None:
+    # a window's data all go to its encoders: one that leaves a host out idles that host's
+    # incoming link (4 MiB chunks made a half window one stripe of RS(3,1))
+    n = k + m
+    rows = ServeConfig(job="t").exchange_rows
+    window = half_window(rows, k, n, chunk_bytes, network=True)
+    group = Group(0, tuple(range(n)), k, m)
+    blobs = _blobs([8 * window * k * CB] * n)  # 8 n windows, every host with data
+    layout = StripeLayout(group, [len(b.chunks) for b in blobs])
+    plans = [Plan(layout, p, blobs, window) for p in range(n)]
+    assert len(plans[0].windows) == 8 * n
+    for wi in range(len(plans[0].windows)):
+        encoders = {
+            p
+            for p, plan in enumerate(plans)
+            if any(w.role in (ENCODE, COPY) for w in plan.windows[wi])
+        }
+        assert encoders == set(range(n)), (wi, window)
+
+
+def test_between_virtual_hosts_the_window_is_what_its_rows_hold() -> None:
+    # no links to keep busy there, and smaller rows stay in the caches
+    assert half_window(12 << 20, 3, 4, 4 << 20, network=False) == 1
+    assert half_window(12 << 20, 3, 4, 4 << 20, network=True) == 4
+    assert half_window(12 << 20, 3, 4, 1 << 20, network=False) == 4
+    assert half_window(12 << 20, 2, 4, 1 << 20, network=True) == 6
