@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from storage.config import CHUNK_BYTES, DEFAULT_ROOT, ServeConfig
+from storage.config import DEFAULT_ROOT, ServeConfig
 from storage.daemon import Daemon
 from storage.errors import ConfigError
 from storage.faults import FaultSpecError, Hooks
@@ -94,9 +94,9 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     p.add_argument(
         "--chunk-bytes",
         type=_parse_size,
-        default=CHUNK_BYTES,
-        help="the largest chunk (default 4M); a small state is cut finer, so that its parity "
-        "stays near m/k of it",
+        default=0,
+        help="the largest chunk (default 4M between virtual hosts, 2M over a network); a small "
+        "state is cut finer, so that its parity stays near m/k of it",
     )
     p.add_argument(
         "--keep",
