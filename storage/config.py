@@ -46,11 +46,11 @@ def host_dir(root: str | os.PathLike[str], job: str, host: str) -> Path:
 CHUNK_BYTES = 4 << 20
 # ... between virtual hosts. Over a network the default is 2 MiB: 4 MiB chunks cost the least CPU
 # there too, but made RS(2,2)'s puts a quarter slower; 2 MiB gave the fastest RS(3,1) puts and
-# about the fastest of the others. bench store --lab (4 lab hosts,
-# 2 Gbit/s links, 1.5 GB, one run each), put->protected and CPU s per protected GB with 4, 2 and
-# 1 MiB chunks: RS(3,1) 2.08 s / 1.33, 1.81 / 1.52, 1.98 / 1.67; RS(2,2) 3.57 / 1.86, 2.86 / 2.24,
-# 2.81 / 2.42; 2-way 2.26 / 1.16, 2.44 / 1.64, 2.52 / 1.61; 3-way 3.78 / 2.13, 3.55 / 2.28,
-# 3.53 / 2.27 (RS(2,2) / 3-way 0.944, 0.807, 0.795).
+# about the fastest of the others. bench store --lab (4 lab hosts, 2 Gbit/s links, 1.5 GB, one
+# run each), put->protected and CPU s per protected GB with 4, 2 and 1 MiB chunks: RS(3,1)
+# 2.08 s / 1.33, 1.81 / 1.52, 1.98 / 1.67; RS(2,2) 3.57 / 1.86, 2.86 / 2.24, 2.81 / 2.42; 2-way
+# 2.26 / 1.16, 2.44 / 1.64, 2.52 / 1.61; 3-way 3.78 / 2.13, 3.55 / 2.28, 3.53 / 2.27 (RS(2,2) put
+# / 3-way put 0.944, 0.807, 0.795).
 NET_CHUNK_BYTES = 2 << 20
 
 
