@@ -306,16 +306,20 @@ def _check_layout(h: Host, layouts: list[dict[str, Any]]) -> None:
     first = layouts[0]
     if any(lay != first for lay in layouts):
         raise ConfigError("hosts hold files of different layouts; wipe the odd ones out")
-    want = {
-        "hosts": h.nslots,
-        "groups": [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in h.groups],
-        "chunk_bytes": h.chunk_bytes,
-    }
-    if first == want:
-        return
-    if h.config.k is None and first["hosts"] == h.nslots and first["chunk_bytes"] == h.chunk_bytes:
-        g0 = first["groups"][0]
-        h.set_layout(g0["k"], g0["m"])
+    groups = [{"slots": list(g.slots), "k": g.k, "m": g.m} for g in h.groups]
+    same_groups = first["groups"] == groups
+    same_chunk = first["chunk_bytes"] == h.chunk_bytes
+    # What the arguments leave to ecsnap is taken from the files: (k, m) without --k/--m, the
+    # largest chunk without --chunk-bytes (whose default differs between virtual hosts and a
+    # network, and changed for networks once).
+    if (
+        first["hosts"] == h.nslots
+        and (same_groups or h.config.k is None)
+        and (same_chunk or not h.config.chunk_bytes)
+    ):
+        if not (same_groups and same_chunk):
+            g0 = first["groups"][0]
+            h.set_layout(None if same_groups else (g0["k"], g0["m"]), first["chunk_bytes"])
         return
     raise ConfigError(
         f"the files under {h.dir.parent} were written by {first['hosts']} hosts with "

@@ -77,14 +77,19 @@ class ServeConfig:
     persist_every: int = 0  # persist the protected steps that are multiples of this
     persist_keep: int = 2  # published steps kept on disk
 
+    @property
+    def largest_chunk(self) -> int:
+        """``--chunk-bytes``, else the transport's default. A relaunch that does not give it
+        takes what the host's files were written with (:mod:`storage.adoption`)."""
+        if self.chunk_bytes:
+            return self.chunk_bytes
+        return CHUNK_BYTES if self.virtual_hosts is not None else NET_CHUNK_BYTES
+
     def __post_init__(self) -> None:
         check_name("job", self.job)
-        if not self.chunk_bytes:  # the transport's default (the dataclass is frozen)
-            net = self.virtual_hosts is None
-            object.__setattr__(self, "chunk_bytes", NET_CHUNK_BYTES if net else CHUNK_BYTES)
         if (self.k is None) != (self.m is None):
             raise ConfigError("give both --k and --m, or neither for defaults from the host count")
-        if not 4096 <= self.chunk_bytes <= (1 << 30):
+        if self.chunk_bytes and not 4096 <= self.chunk_bytes <= (1 << 30):
             raise ConfigError(f"--chunk-bytes must be in 4 KiB..1 GiB, got {self.chunk_bytes}")
         if self.keep < 1:
             raise ConfigError(f"--keep must be >= 1 (the newest protected step), got {self.keep}")

@@ -132,7 +132,7 @@ class Host:
             self.k, self.m = config.k, config.m
             shrink = config.shrink_last_group
         self.groups: list[Group] = make_groups(self.nslots, self.k, self.m, shrink)
-        self.chunk_bytes = config.chunk_bytes
+        self.chunk_bytes = config.largest_chunk
         self.slot = self.rank  # until adoption says otherwise
         self.rank_of: list[int] = list(range(self.nslots))  # slot -> MPI rank
         self.slot_of_rank: list[int] = list(range(self.nslots))
@@ -224,10 +224,13 @@ class Host:
             sum(x.counters.gathered for x in links),
         )
 
-    def set_layout(self, k: int, m: int) -> None:
-        """Adopt the (k, m) the host's files were written with (before any step is known)."""
-        self.k, self.m = k, m
-        self.groups = make_groups(self.nslots, k, m, shrink=True)  # as its files were
+    def set_layout(self, km: tuple[int, int] | None, chunk_bytes: int) -> None:
+        """Adopt what the host's files were written with (before any step is known): their
+        (k, m) unless None (the groups made as its files were), and their largest chunk."""
+        if km is not None:
+            self.k, self.m = km
+            self.groups = make_groups(self.nslots, self.k, self.m, shrink=True)
+        self.chunk_bytes = chunk_bytes
         self.catalog = Catalog(self.groups, self.nslots, self.chunk_bytes, self.config.keep)
 
     def measure_memory_limit(self) -> None:

@@ -140,7 +140,7 @@ class Service:
             "health": h.health,
             "k": h.group.k,
             "m": h.group.m,
-            "chunk_bytes": h.config.chunk_bytes,
+            "chunk_bytes": h.chunk_bytes,
             "dir": str(h.dir),
         }
 

@@ -88,6 +88,36 @@ def test_a_shard_staged_past_its_buffer_is_refused_and_the_job_serves_on(shm_roo
         assert cluster.stop() == 0, cluster.log.read_text()
 
 
+def test_a_relaunch_without_chunk_bytes_takes_the_chunk_its_files_were_written_with(
+    shm_root: Path,
+) -> None:
+    # the default chunk differs between virtual hosts and a network, and changed for networks:
+    # a job relaunched with the arguments it was started with (none for the chunk) must adopt
+    # its steps, not refuse them; a chunk given explicitly must still match (the test below)
+    import torch
+
+    w = torch.arange(300_000.0)
+    c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--chunk-bytes", "65536"])
+    try:
+        with storage.connect(c.job, rank=0, world_size=1, host="host0", root=shm_root) as st:
+            st.put(1, {"w": w}).wait(60)
+    finally:
+        assert c.stop() == 0, c.log.read_text()
+    again = c.relaunch(extra=[])  # 4 MiB chunks by default between virtual hosts
+    try:
+        sock = control.connect(shm_root / c.job / "host0" / "ctl.sock")
+        reply = sock.request({"op": "hello", "job": c.job, "rank": 0})
+        sock.close()
+        assert reply is not None and reply["chunk_bytes"] == 65536, reply
+        with storage.connect(c.job, rank=0, world_size=1, host="host0", root=shm_root) as st:
+            assert st.steps() == [1]
+            assert torch.equal(st.get(1)["w"], w)
+            st.put(2, {"w": w + 1}).wait(60)
+            assert torch.equal(st.get(2)["w"], w + 1)
+    finally:
+        assert again.stop() == 0, again.log.read_text()
+
+
 def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     job = c.job
