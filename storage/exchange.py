@@ -137,10 +137,15 @@ class Exchange:
     def close(self) -> None:
         self._crc_pool.shutdown(wait=True)
 
+    def window(self, k: int, m: int) -> int:
+        """This host's half window of RS(k, m), in stripes (:func:`half_window`)."""
+        h = self.host
+        return half_window(h.config.exchange_rows, k, k + m, h.chunk_bytes, network=not h.spin)
+
     def scratch(self, k: int, m: int, cb: int) -> list[tuple[Any, Any]]:
         """The two half windows' rows: data in, parity out (see :meth:`run`)."""
         h = self.host
-        window = half_window(h.config.exchange_rows, k, k + m, h.chunk_bytes, network=not h.spin)
+        window = self.window(k, m)
         return [
             (
                 h.scratch(f"data{i}", window * k, cb),
@@ -232,7 +237,7 @@ class Exchange:
         # L2 when it is checksummed), and receiving each in 1 MiB pieces, checksummed as each
         # arrived, cost more in receive than it saved there (total 0.653-0.673 against
         # 0.611-0.634 whole, two alternated runs each).
-        window = half_window(h.config.exchange_rows, k, k + m, h.chunk_bytes, network=not h.spin)
+        window = self.window(k, m)
         sets = self.scratch(k, m, cb)
         plan = Plan.of(layout, pos, [rec.blobs[g.slots[p]] for p in range(layout.n)], window)
         links = h.gl
