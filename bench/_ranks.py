@@ -77,6 +77,7 @@ def worker(spec: dict[str, Any]) -> None:
                 "at_staged": at_staged,  # wall clock: compared across the ranks' processes
                 "at_protected": time.time(),
                 "cpu": process_seconds() - cpu0,
+                "first_map": bool(h.first_map),  # the put mapped its file itself
             }
         elif cmd["op"] == "get":
             t0 = time.perf_counter()

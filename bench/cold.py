@@ -20,10 +20,11 @@ the phase's steady state:
 Reported per phase: each put's put->protected over the phase's steady-state median, the bytes the
 daemons faulted in inside puts and ahead of them (where the fresh-page time went; the restart's
 count only what its daemons did), and inside each put (the part of its files not made ahead when
-it came), the time from the reserve's start to its end, the warmers' CPU per GB they faulted in
-(what fresh pages cost the daemons during the phase), and what a fresh page cost at the phase's
-end (:func:`fresh_page_cost`, the job idle and holding its memory): about the CPU each GB a put
-faulted in inside it cost that put.
+it came), how many trainers mapped their put's file inside the put (its first use in that
+process: not mapped ahead, see :meth:`storage.Store._start_ahead`), the time from the reserve's
+start to its end, the warmers' CPU per GB they faulted in (what fresh pages cost the daemons
+during the phase), and what a fresh page cost at the phase's end (:func:`fresh_page_cost`, the
+job idle and holding its memory): about the CPU each GB a put faulted in inside it cost that put.
 Results: JSON lines in ``bench/results/cold.jsonl``.
 """
 
@@ -63,11 +64,12 @@ def _cluster(root: Path, job: str, extra: list[str]) -> Cluster:
 
 def _puts(
     workers: Workers, first: int, n: int, gap: float, label: str
-) -> tuple[list[float], list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float], list[int]]:
     """``n`` puts from step ``first``, ``gap`` seconds apart; put->staged and put->protected of
-    the slowest rank of each, and the bytes each put faulted in itself (summed over the hosts:
-    the part of its files that was not made ahead when it came)."""
-    staged, protected, faulted = [], [], []
+    the slowest rank of each, the bytes each put faulted in itself (summed over the hosts: the
+    part of its files that was not made ahead when it came), and how many of its ranks mapped
+    their file inside it (its first use in that trainer: not mapped ahead)."""
+    staged, protected, faulted, first_maps = [], [], [], []
     before = _bytes(workers)["pool_fresh_bytes"]
     for i in range(n):
         if i:
@@ -75,15 +77,17 @@ def _puts(
         puts = workers.all({"op": "put", "step": first + i})
         staged.append(max(p["staged"] for p in puts))
         protected.append(max(p["protected"] for p in puts))
+        first_maps.append(sum(bool(p["first_map"]) for p in puts))
         after = _bytes(workers)["pool_fresh_bytes"]
         faulted.append(after - before)
         before = after
         print(
             f"{label} put {i + 1}/{n}: staged {staged[-1]:.3f}s protected {protected[-1]:.3f}s, "
-            f"{faulted[-1] / 1e9:.3f} GB faulted in inside it",
+            f"{faulted[-1] / 1e9:.3f} GB faulted in inside it, {first_maps[-1]} of "
+            f"{len(puts)} ranks mapped their file inside it",
             file=sys.stderr,
         )
-    return staged, protected, faulted
+    return staged, protected, faulted, first_maps
 
 
 def _bytes(workers: Workers) -> dict[str, float]:
@@ -132,6 +136,7 @@ def _record(
     staged: list[float],
     protected: list[float],
     faulted: list[float],
+    first_maps: list[int],
     extra: dict[str, float],
 ) -> dict[str, Any]:
     steady = statistics.median(protected[-4:])
@@ -146,6 +151,7 @@ def _record(
         steady_staged_s=steady_staged,
         over_steady=[p / steady for p in protected],
         put_faulted_bytes=faulted,
+        put_first_maps=first_maps,
         **extra,
     )
 
@@ -192,14 +198,23 @@ def run(
             workers = None
             try:
                 workers = Workers(job, root, nbytes, ntensors, HOSTS)
-                staged, protected, faulted = _puts(workers, 1, puts, gap, "fresh")
-                _record(rec, "fresh", trial, staged, protected, faulted, _phase_end(workers, root))
+                staged, protected, faulted, maps = _puts(workers, 1, puts, gap, "fresh")
+                _record(
+                    rec, "fresh", trial, staged, protected, faulted, maps, _phase_end(workers, root)
+                )
                 daemons.kill()
                 daemons = daemons.relaunch()
                 time.sleep(gap)
-                staged, protected, faulted = _puts(workers, puts + 1, puts, gap, "restart")
+                staged, protected, faulted, maps = _puts(workers, puts + 1, puts, gap, "restart")
                 _record(
-                    rec, "restart", trial, staged, protected, faulted, _phase_end(workers, root)
+                    rec,
+                    "restart",
+                    trial,
+                    staged,
+                    protected,
+                    faulted,
+                    maps,
+                    _phase_end(workers, root),
                 )
             finally:
                 if workers is not None:
@@ -216,7 +231,7 @@ def run(
                 while not all(i["stats"]["reserve_bytes"] for i in workers.all({"op": "info"})):
                     time.sleep(0.05)
                 t_ready = time.perf_counter() - t0
-                staged, protected, faulted = _puts(workers, 1, puts, gap, "reserve")
+                staged, protected, faulted, maps = _puts(workers, 1, puts, gap, "reserve")
                 _record(
                     rec,
                     "reserve",
@@ -224,6 +239,7 @@ def run(
                     staged,
                     protected,
                     faulted,
+                    maps,
                     {**_phase_end(workers, root), "start_to_reserve_ready_s": t_ready},
                 )
             finally:
@@ -259,6 +275,7 @@ def run(
             r["pool_fresh_bytes"] / 1e9,
             r["pool_ahead_bytes"] / 1e9,
             " ".join(f"{x / 1e9:.2f}" for x in r["put_faulted_bytes"][:3]),
+            " ".join(str(x) for x in r["put_first_maps"][:4]),
             r["warm_cpu_s_per_gb"],
             r["fresh_page_cpu_s_per_gb"],
         )
@@ -275,6 +292,7 @@ def run(
                 "GB in puts",
                 "GB ahead",
                 "GB in puts 1-3",
+                "maps in puts 1-4",
                 "warmers' CPU s/GB",
                 "fresh page CPU s/GB at end",
             ],

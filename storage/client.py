@@ -41,6 +41,8 @@ __all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
 
 # requests a restarted daemon can answer as well as the one that died
 _RETRYABLE = frozenset({"hello", "alloc", "get", "steps", "status", "info", "delete"})
+AHEAD_POLL = 0.2  # seconds between a Store's ``ahead`` requests while its daemon makes files
+AHEAD_FOR = 60.0  # ... and the longest it goes on asking after a put mapped its own file
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class SaveHandle:
         self.kept: Any = None
         self.t_staged: float | None = None
         self.t_protected: float | None = None
+        # whether staging mapped its file itself (its first use in this process) rather than
+        # finding it mapped by an earlier put or ahead of need (None: no file mapped yet)
+        self.first_map: bool | None = None
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until protected; return the step or raise the failure (``TimeoutError`` if it
@@ -135,6 +140,10 @@ class Store:
         self._stale = False  # the connection's last request timed out
         self._conn, info = self._handshake()
         self._maps: dict[str, shm.MappedFile] = {}
+        self._maps_lock = threading.Lock()
+        self._mapping: dict[str, threading.Event] = {}  # paths being mapped, set once mapped
+        self._maps_closed = False
+        self._ahead_threads: dict[int, threading.Thread] = {}  # rank -> its files' mapper
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
@@ -266,17 +275,107 @@ class Store:
         return path
 
     def _map(self, path: str, size: int) -> shm.MappedFile:
+        """This Store's mapping of a file the daemon gave (``size`` bytes), made once and kept
+        for the file's later puts and reads. One thread maps a file; another that wants it
+        meanwhile waits for that mapping."""
         path = self._here(path)
-        mf = self._maps.get(path)
-        # a restarted daemon may have deleted that file and made another under its name
-        if mf is None or mf.size != size or not mf.current():
-            if mf is not None:
+        while True:
+            with self._maps_lock:
+                if self._maps_closed:
+                    raise StorageError("this Store is closed")
+                busy = self._mapping.get(path)
+                if busy is None:
+                    mf = self._maps.get(path)
+                    # a restarted daemon may have deleted that file and made another under its
+                    # name
+                    if mf is not None and mf.size == size and mf.current():
+                        return mf
+                    done = self._mapping[path] = threading.Event()
+                    old = self._maps.pop(path, None)
+                    break
+            busy.wait()
+        try:
+            if old is not None:
                 if self._registry is not None:
-                    self._registry.forget(mf.array)
-                mf.close()
+                    self._registry.forget(old.array)
+                old.close()
             mf = shm.MappedFile(path, size, populate=True)
-            self._maps[path] = mf
-        return mf
+            with self._maps_lock:
+                if self._maps_closed:
+                    mf.close()
+                    raise StorageError("this Store is closed")
+                self._maps[path] = mf
+            return mf
+        finally:
+            with self._maps_lock:
+                del self._mapping[path]
+            done.set()
+
+    def _mapped(self, path: str, size: int) -> bool:
+        """Whether ``path`` is mapped at ``size`` bytes already, or being mapped."""
+        path = self._here(path)
+        with self._maps_lock:
+            mf = self._maps.get(path)
+            return (mf is not None and mf.size == size) or path in self._mapping
+
+    def _put_map(self, handle: SaveHandle, alloc: dict[str, Any]) -> shm.MappedFile:
+        """The mapping of the file a put's ``alloc`` gave; the handle says whether the put
+        mapped it itself (``first_map``)."""
+        path, size = alloc["path"], int(alloc["size"])
+        if handle.first_map is None:
+            handle.first_map = not self._mapped(path, size)
+        return self._map(path, size)
+
+    def _start_ahead(self, rank: int) -> None:
+        """Map the files the daemon makes ahead for ``rank``'s next puts before they ask for
+        them, on a thread of its own (one per rank at a time).
+
+        A put whose file this process never mapped maps it inside the put (``MAP_POPULATE``): a
+        file's first mapping in a process costs 21-35 ms for 375 MB here, against 8 ms for a
+        file mapped before (four trainers mapping at once on 2 cores: 36-71 ms), which the first
+        ``keep + 1`` puts after a start paid on their staging. Called once such a put is
+        protected: its daemon then knows the rank's shard size and makes the next puts' files
+        (:mod:`storage.warm`); the thread asks for them every ``AHEAD_POLL`` seconds and maps
+        each one as soon as it is whole (never a partial one: that would fault its missing
+        pages in here, at the trainer's priority), until the daemon makes no more, at most
+        ``AHEAD_FOR`` seconds. Steady state reuses mapped files and asks nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            t = self._ahead_threads.get(rank)
+            if t is not None and t.is_alive():
+                return
+            t = threading.Thread(target=self._ahead, args=(rank,), name="ecsnap-ahead", daemon=True)
+            self._ahead_threads[rank] = t
+        t.start()
+
+    def _ahead(self, rank: int) -> None:
+        try:
+            conn = self._open()
+        except StorageError:
+            return  # no daemon now: the puts map their own files
+        with self._lock:
+            self._waiters.add(conn)  # close() shuts it
+        try:
+            deadline = time.monotonic() + AHEAD_FOR
+            while not self._closed and time.monotonic() < deadline:
+                reply = self._request({"op": "ahead", "rank": rank}, conn)
+                new = [(p, int(n)) for p, n in reply["files"] if not self._mapped(p, int(n))]
+                for path, size in new:
+                    try:
+                        self._map(path, size)
+                    except (OSError, ValueError):
+                        pass  # taken, and dropped since: a put maps what it is given
+                if not new:
+                    if not reply.get("making"):
+                        return
+                    time.sleep(AHEAD_POLL)
+        except (StorageError, OSError, ProtocolError):
+            pass  # closed, or the daemon went: the puts map their own files
+        finally:
+            with self._lock:
+                self._waiters.discard(conn)
+            conn.close()
 
     # -- the public calls -------------------------------------------------------------------------
 
@@ -339,7 +438,7 @@ class Store:
         meta.update(at=table_at, length=len(table), nbytes=total)
         if cuda:
             # device-to-host copies are enqueued here, on the side stream, without a host sync
-            mf = self._map(alloc["path"], int(alloc["size"]))
+            mf = self._put_map(handle, alloc)
             handle.copy_done = self._device_copier().enqueue(leaves, mf.array)
         handle.cpu_leaves = any(not leaf.device.startswith("cuda") for leaf in leaves)
         self._last_put = handle
@@ -410,7 +509,7 @@ class Store:
                 table += b" " * (meta["length"] - len(table))  # the room left for digests
             at = aligned(plan.own_bytes if plan is not None else meta["at"])
             nbytes = at + len(table)
-            mf = self._map(alloc["path"], int(alloc["size"]))
+            mf = self._put_map(handle, alloc)
             cpu_stage = _state.stage(
                 leaves,
                 mf.array[:at],
@@ -505,6 +604,8 @@ class Store:
             return
         handle.t_protected = time.perf_counter()
         self._settled(handle)
+        if handle.first_map:  # the daemon makes the next puts' files now: map them ahead
+            self._start_ahead(handle.rank)
         if handle.kept is not None:
             with self._lock:
                 now = self._kept.get(handle.rank)
@@ -685,9 +786,12 @@ class Store:
         self._conn.close()
         if self._registry is not None:
             self._registry.close()
-        for mf in self._maps.values():
+        with self._maps_lock:
+            self._maps_closed = True  # a file being mapped ahead is closed by its mapper
+            maps = list(self._maps.values())
+            self._maps.clear()
+        for mf in maps:
             mf.close()
-        self._maps.clear()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -96,6 +96,7 @@ class Daemon:
         h.latency.registry.register(SnapshotCollector(self.snapshot))
         self.server: Server | None = None
         self.warmer = Warmer(h, config.reserve, first=self.exchange.warm)
+        self.service.warmer = self.warmer
 
     def snapshot(self) -> Snapshot:
         return snapshot(self.host, self.tier, self.endpoint.port)

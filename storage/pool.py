@@ -99,6 +99,18 @@ class Pool:
                 if n.startswith(prefix) and _fits_size(size, b.size)
             )
 
+    def made(self, prefix: str) -> list[Buffer]:
+        """The free files of ``prefix`` that are whole (none partial, none adopted): what the next
+        takes of ``prefix`` will be given, for a trainer to map ahead (the smallest first, as
+        :meth:`take` picks them)."""
+        with self.lock:
+            names = [
+                n
+                for n in self.free
+                if n.startswith(prefix) and n not in self.partial and n not in self.adopted
+            ]
+            return sorted((self.files[n] for n in names), key=lambda b: (b.size, b.name))
+
     def path(self, name: str) -> Path:
         return self.dir / ("parity" if name.startswith("p") else "data") / name
 

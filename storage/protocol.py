@@ -470,6 +470,14 @@ class PlainRequest(TypedDict):
     op: str
 
 
+class AheadRequest(TypedDict):
+    """The files rank ``rank``'s next puts may be given that are made already (a trainer maps
+    them before its puts ask), and whether more are being made."""
+
+    op: str
+    rank: int
+
+
 class GetReply(TypedDict, total=False):
     """Where a shard's bytes are: a file to map (``size`` bytes), the shard's ``nbytes`` and its
     table's (offset, length) in it; ``temp`` files are the reader's to release; ``buffer`` names
@@ -500,6 +508,7 @@ REQUESTS: dict[str, Any] = {
     "status": StepRequest,
     "delete": StepRequest,
     "info": PlainRequest,
+    "ahead": AheadRequest,
 }
 _AT_LEAST = {"world_size": 1}  # other ints are >= 0
 _AT_MOST = {"world_size": MAX_WORLD, "rank": MAX_WORLD - 1}  # others fit an int64

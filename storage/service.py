@@ -8,10 +8,10 @@ lock across I/O.
 
 Requests (``op``, typed in :mod:`storage.protocol`): ``hello``, ``alloc``, ``staged``,
 ``abort``, ``wait``, ``get``, ``release``, ``unlease``, ``steps``, ``status``, ``delete``,
-``info``. Each frame is checked against its type before its handler sees it: one that breaks the
-protocol is answered with a :class:`StorageError` naming the field ("bad request: ..."); a bug in
-the daemon is answered as an internal error and logged with its traceback, never as a bad
-request.
+``info``, ``ahead``. Each frame is checked against its type before its handler sees it: one
+that breaks the protocol is answered with a :class:`StorageError` naming the field ("bad request:
+..."); a bug in the daemon is answered as an internal error and logged with its traceback, never
+as a bad request.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from storage.host import Host
 from storage.leases import Leases
 from storage.protocol import (
     AbortRequest,
+    AheadRequest,
     AllocRequest,
     Delete,
     GetRequest,
@@ -58,6 +59,7 @@ from storage.protocol import (
 from storage.repair import Repairer
 from storage.table import digest
 from storage.tier import Tier
+from storage.warm import Warmer
 from transport.control import Connection
 
 __all__ = ["Service"]
@@ -79,6 +81,7 @@ class Service:
         self.fetcher = fetcher
         self.repairer = repairer
         self.snapshot = snapshot  # () -> Snapshot
+        self.warmer: Warmer | None = None  # set by the daemon; ``ahead`` asks it
 
     @charged("serve")
     def handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
@@ -253,6 +256,16 @@ class Service:
                 h.catalog.pin_refused.discard(key)
                 return False
         return True
+
+    def _op_ahead(self, msg: AheadRequest, conn: int) -> dict[str, Any]:
+        """The files made ahead that rank ``rank``'s next puts will be given (``files``: [path,
+        size], the first given first) and whether more are being made (``making``): the trainer
+        maps them before its puts ask (:meth:`storage.Store._ahead`)."""
+        h = self.host
+        prefix = f"r{msg['rank']}-"
+        files = [[str(h.pool.path(b.name)), b.size] for b in h.pool.made(prefix)]
+        making = self.warmer is not None and self.warmer.making(prefix)
+        return {"files": files, "making": making}
 
     def _op_staged(self, msg: StagedRequest, conn: int) -> dict[str, Any]:
         h = self.host

@@ -71,8 +71,12 @@ class Warmer:
     # -- what the next puts will need -------------------------------------------------------------
 
     def learn(self) -> None:
-        """What the next puts will take, from the newest step with shards here: each rank's
-        shard size, and the host's parity size once the step is laid out."""
+        """What the next puts will take (:meth:`wanted`), for the thread to make."""
+        self.want = self.wanted()
+
+    def wanted(self) -> dict[str, int]:
+        """Prefix -> size the next puts will take, from the newest step with shards here: each
+        rank's shard size, and the host's parity size once the step is laid out."""
         h = self.host
         want: dict[str, int] = {}
         with h.lock:
@@ -87,7 +91,20 @@ class Warmer:
                     layout, pos = h.my_layout(rec)
                     want["p"] = len(layout.parity_stripes[pos]) * rec.chunk_bytes
                 break
-        self.want = want
+        return want
+
+    def making(self, prefix: str) -> bool:
+        """Whether files of ``prefix`` are still to be made ahead here: one is partial, or fewer
+        than :attr:`target` of the wanted size exist and another fits. A trainer that maps the
+        made ones ahead (``ahead`` requests) asks again until this is False. Any thread."""
+        pool = self.host.pool
+        size = self.wanted().get(prefix)
+        if size is None or self._stop:
+            return False
+        with pool.lock:
+            if any(n.startswith(prefix) for n in pool.partial):
+                return True
+        return pool.count(prefix, size) < self.target and self._fits(size)
 
     @property
     def target(self) -> int:

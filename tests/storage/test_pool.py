@@ -101,6 +101,25 @@ def test_a_file_made_ahead_serves_the_next_take_with_no_fresh_pages(host_dir: Pa
     assert pool.fresh_bytes == 3 << 20
 
 
+def test_made_lists_the_whole_free_files_of_a_prefix_in_the_order_takes_pick_them(
+    host_dir: Path,
+) -> None:
+    """What a trainer may map ahead: never a partial file, one in use, or another prefix's."""
+    pool = Pool(host_dir, budget=None)
+    big = pool.make(3 << 20, "r0-", _never_pause)
+    small = pool.make(2 << 20, "r0-", _never_pause)
+    assert big is not None and small is not None
+    pool.make(2 << 20, "r1-", _never_pause)
+    stopped = pool.make(_PIECE + (1 << 20), "r0-", lambda: False)  # paused before a piece
+    assert stopped is not None and stopped.name in pool.partial
+    assert [b.name for b in pool.made("r0-")] == [small.name, big.name]
+    got = pool.take(2 << 20, "r0-")
+    assert got.name == small.name  # the first listed is the first given
+    assert [b.name for b in pool.made("r0-")] == [big.name]
+    pool.release(got.name)
+    assert [b.name for b in pool.made("r0-")] == [small.name, big.name]
+
+
 def test_a_take_finishes_a_file_the_warmer_paused_on(host_dir: Path) -> None:
     """Made ahead in pieces; live work came after the first: the take faults in the rest."""
     pool = Pool(host_dir, budget=None)
