@@ -41,8 +41,9 @@ __all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
 
 # requests a restarted daemon can answer as well as the one that died
 _RETRYABLE = frozenset({"hello", "alloc", "get", "steps", "status", "info", "delete"})
-AHEAD_POLL = 0.2  # seconds between a Store's ``ahead`` requests while its daemon makes files
-AHEAD_FOR = 60.0  # ... and the longest it goes on asking after a put mapped its own file
+AHEAD_POLL = 0.2  # seconds between a Store's ``ahead`` requests while its daemon makes files,
+AHEAD_ADOPTED = 1.0  # ... while it maps files a restarted daemon will delete once freed,
+AHEAD_FOR = 600.0  # ... and the longest it goes on asking after a put mapped its own file
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,26 @@ class Store:
                 del self._mapping[path]
             done.set()
 
+    def _rank_maps(self, rank: int) -> set[str]:
+        """The paths of the shard buffers of ``rank`` this Store maps."""
+        data = Path(self._here(f"{self._daemon_dir}/data"))
+        with self._maps_lock:
+            return {
+                p
+                for p in self._maps
+                if Path(p).parent == data and Path(p).name.startswith(f"r{rank}-")
+            }
+
+    def _unmap(self, paths: set[str]) -> None:
+        """Let go of this Store's mappings of ``paths`` (files its daemon deleted); views that
+        :meth:`get` returned keep theirs."""
+        with self._maps_lock:
+            gone = [self._maps.pop(p) for p in paths if p in self._maps and p not in self._mapping]
+        for mf in gone:
+            if self._registry is not None:
+                self._registry.forget(mf.array)
+            mf.close()
+
     def _mapped(self, path: str, size: int) -> bool:
         """Whether ``path`` is mapped at ``size`` bytes already, or being mapped."""
         path = self._here(path)
@@ -338,7 +359,12 @@ class Store:
         (:mod:`storage.warm`); the thread asks for them every ``AHEAD_POLL`` seconds and maps
         each one as soon as it is whole (never a partial one: that would fault its missing
         pages in here, at the trainer's priority), until the daemon makes no more, at most
-        ``AHEAD_FOR`` seconds. Steady state reuses mapped files and asks nothing."""
+        ``AHEAD_FOR`` seconds. Steady state reuses mapped files and asks nothing.
+
+        The same thread lets go of the rank's files that the daemon deleted, whose memory this
+        Store's mappings alone would keep: the files a restarted daemon adopted, deleted once
+        retention frees them (it asks every ``AHEAD_ADOPTED`` seconds while it maps one), and
+        free files dropped to keep within ``--memory-budget``."""
         with self._lock:
             if self._closed:
                 return
@@ -359,17 +385,25 @@ class Store:
         try:
             deadline = time.monotonic() + AHEAD_FOR
             while not self._closed and time.monotonic() < deadline:
+                # mapped before asking: a file a put maps meanwhile may be newer than the reply
+                before = self._rank_maps(rank)
                 reply = self._request({"op": "ahead", "rank": rank}, conn)
+                held = {self._here(p) for p in reply["held"]}
+                self._unmap(before - held)  # deleted by the daemon
                 new = [(p, int(n)) for p, n in reply["files"] if not self._mapped(p, int(n))]
                 for path, size in new:
                     try:
                         self._map(path, size)
                     except (OSError, ValueError):
                         pass  # taken, and dropped since: a put maps what it is given
-                if not new:
-                    if not reply.get("making"):
-                        return
+                if new:
+                    continue
+                if reply["making"]:
                     time.sleep(AHEAD_POLL)
+                elif {self._here(p) for p in reply["adopted"]} & self._rank_maps(rank):
+                    time.sleep(AHEAD_ADOPTED)
+                else:
+                    return
         except (StorageError, OSError, ProtocolError):
             pass  # closed, or the daemon went: the puts map their own files
         finally:

@@ -111,6 +111,13 @@ class Pool:
             ]
             return sorted((self.files[n] for n in names), key=lambda b: (b.size, b.name))
 
+    def held(self, prefix: str) -> tuple[list[str], list[str]]:
+        """The names of every file of ``prefix`` in the pool (in use or free), and those of them
+        adopted from an earlier daemon (deleted once freed, never reused)."""
+        with self.lock:
+            names = sorted(n for n in self.files if n.startswith(prefix))
+            return names, [n for n in names if n in self.adopted]
+
     def path(self, name: str) -> Path:
         return self.dir / ("parity" if name.startswith("p") else "data") / name
 

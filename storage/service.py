@@ -258,14 +258,23 @@ class Service:
         return True
 
     def _op_ahead(self, msg: AheadRequest, conn: int) -> dict[str, Any]:
-        """The files made ahead that rank ``rank``'s next puts will be given (``files``: [path,
-        size], the first given first) and whether more are being made (``making``): the trainer
-        maps them before its puts ask (:meth:`storage.Store._ahead`)."""
+        """For rank ``rank``'s trainer (:meth:`storage.Store._start_ahead`): the files made ahead
+        that its next puts will be given (``files``: [path, size], the first given first),
+        whether more are being made (``making``), and every file of the rank here (``held``:
+        paths; one it mapped that is not among them was deleted, and its mapping alone keeps
+        its memory) with those adopted from an earlier daemon (``adopted``: deleted once freed).
+        """
         h = self.host
         prefix = f"r{msg['rank']}-"
         files = [[str(h.pool.path(b.name)), b.size] for b in h.pool.made(prefix)]
         making = self.warmer is not None and self.warmer.making(prefix)
-        return {"files": files, "making": making}
+        held, adopted = h.pool.held(prefix)
+        return {
+            "files": files,
+            "making": making,
+            "held": [str(h.pool.path(n)) for n in held],
+            "adopted": [str(h.pool.path(n)) for n in adopted],
+        }
 
     def _op_staged(self, msg: StagedRequest, conn: int) -> dict[str, Any]:
         h = self.host

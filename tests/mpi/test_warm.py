@@ -122,6 +122,37 @@ def test_a_trainer_maps_its_next_puts_files_before_they_are_asked_for(shm_root: 
             assert_same(s.get(2), make_state(r, 2, nbytes=NBYTES))
 
 
+def test_a_trainer_lets_go_of_the_files_a_restarted_daemon_deleted(shm_root: Path) -> None:
+    """A restarted daemon never reuses the shard buffers it adopted (a trainer may map them): it
+    deletes each once retention frees it. The trainers that mapped them let go of them then: a
+    mapping alone would keep a deleted file's memory for as long as the trainer lives."""
+    first = Cluster(shm_root, hosts=HOSTS, k=3, m=1)
+    again = None
+    stores = first.stores(HOSTS)
+    try:
+        for step in (1, 2, 3):
+            _put(stores, step)
+        # keep 2: a rank's puts take turns in three files, which its trainer maps
+        mapped = [s._rank_maps(r) for r, s in enumerate(stores)]
+        assert all(len(m) == 3 for m in mapped), mapped
+        first.kill()
+        again = first.relaunch()
+        for step in (4, 5, 6, 7):
+            _put(stores, step)  # retention frees the adopted steps 2 and 3
+        for m in mapped:
+            assert not any(Path(p).exists() for p in m)  # all deleted (step 1's at adoption)
+        _until(
+            "every trainer let go of its deleted files",
+            lambda: all(not (mapped[r] & s._rank_maps(r)) for r, s in enumerate(stores)),
+        )
+        for r, s in enumerate(stores):
+            assert s._rank_maps(r)  # the files of the steps put since, still mapped
+            assert_same(s.get(7), make_state(r, 7, nbytes=NBYTES))
+    finally:
+        close_all(stores)
+        (again or first).stop()
+
+
 def test_reserve_serves_the_first_put_and_outlives_a_restart(shm_root: Path) -> None:
     # keep 1: two files of each size in steady state, so the smallest reserve files serve them
     # and the largest is left over
