@@ -13,6 +13,7 @@ cut later when it is larger), so that only the difference in size is faulted in 
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import secrets
@@ -392,15 +393,35 @@ class Pool:
 
     def _fault(self, buf: Buffer, start: int, end: int, threads: int | None = None) -> None:
         """Allocate bytes ``start:end`` of ``buf``'s file (ENOSPC now, not SIGBUS later) and
-        fault them in."""
+        fault them in.
+
+        Ahead of need (one thread: the warmer's pieces) the pages are allocated by writing zeros
+        with ``pwrite``, then mapped here; inside a put, by ``posix_fallocate`` and faulted in by
+        several threads at once (``pwrite`` is one thread's). A file made ahead so is cheaper to
+        use for every other process: a trainer's first
+        mapping of a 375 MB file took 12.6-12.8 ms against 20-23 ms for one allocated with
+        ``posix_fallocate`` and faulted in (8 files, alternated), and a peer's first
+        ``process_vm_readv`` of it (MPI's single copy) cost no more than later ones, against 15
+        ms more. A reserved first put (bench cold's reserve phase alone, 3 trials each, 4
+        virtual hosts, 1.5 GB) mapped its file in 9-27 ms against 24-69 and staged in 0.16-0.17
+        s against 0.19-0.21. Making the file costs 15 % more CPU where fresh pages are cheap
+        (0.354 against 0.308 s per GB, 256 MB files alternated) and no more where they are dear
+        (2.6-2.9 against 2.8-3.0).
+        """
         if end <= start:
             return
-        if hasattr(os, "posix_fallocate"):
-            fd = os.open(self.path(buf.name), os.O_RDWR)
-            try:
+        fd = os.open(self.path(buf.name), os.O_RDWR)
+        try:
+            if threads == 1:
+                zeros = _zeros()
+                for off in range(start, end, len(zeros)):
+                    n = min(len(zeros), end - off)
+                    if os.pwrite(fd, zeros if n == len(zeros) else zeros[:n], off) != n:
+                        raise OSError(errno.ENOSPC, f"short write allocating {buf.name}")
+            elif hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, start, end - start)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
         shm.prefault(buf.file.array[start:end], threads=threads, on_thread=self._helpers())
 
     def adopt_reserve(self) -> list[str]:
@@ -520,6 +541,16 @@ class Pool:
                     path.unlink()
                     removed.append(path.name)
         return removed
+
+
+_ZEROS: list[memoryview] = []
+
+
+def _zeros() -> memoryview:
+    """8 MiB of zeros, made once: what :meth:`Pool._fault` writes."""
+    if not _ZEROS:
+        _ZEROS.append(memoryview(bytes(_PIECE)))
+    return _ZEROS[0]
 
 
 def _fits_size(size: int, have: int) -> bool:
