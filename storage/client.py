@@ -384,18 +384,23 @@ class Store:
             self._waiters.add(conn)  # close() shuts it
         try:
             deadline = time.monotonic() + AHEAD_FOR
+            failed: set[str] = set()  # listed, but could not be mapped: not tried again
             while not self._closed and time.monotonic() < deadline:
                 # mapped before asking: a file a put maps meanwhile may be newer than the reply
                 before = self._rank_maps(rank)
                 reply = self._request({"op": "ahead", "rank": rank}, conn)
                 held = {self._here(p) for p in reply["held"]}
                 self._unmap(before - held)  # deleted by the daemon
-                new = [(p, int(n)) for p, n in reply["files"] if not self._mapped(p, int(n))]
+                new = [
+                    (p, int(n))
+                    for p, n in reply["files"]
+                    if p not in failed and not self._mapped(p, int(n))
+                ]
                 for path, size in new:
                     try:
                         self._map(path, size)
                     except (OSError, ValueError):
-                        pass  # taken, and dropped since: a put maps what it is given
+                        failed.add(path)  # dropped since, or unmappable: a put maps its own
                 if new:
                     continue
                 if reply["making"]:

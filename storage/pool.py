@@ -102,8 +102,8 @@ class Pool:
 
     def made(self, prefix: str) -> list[Buffer]:
         """The free files of ``prefix`` that are whole (none partial, none adopted): what the next
-        takes of ``prefix`` will be given, for a trainer to map ahead (the smallest first, as
-        :meth:`take` picks them)."""
+        takes of ``prefix`` will be given, for a trainer to map ahead; the smallest first (a take
+        picks the smallest whole file that fits)."""
         with self.lock:
             names = [
                 n
