@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -189,45 +190,94 @@ class Cluster:
         kill_group(self.proc)
 
 
+PORT_TRIES = 3  # launches of gloo_ranks' ranks on fresh ports when the one picked was taken
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it before
+    the ranks bind it: :func:`gloo_ranks` then launches them again on another)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def gloo_ranks(
     module: str, spec: dict[str, Any], world: int, what: str, timeout: float = 1800.0
 ) -> list[dict[str, Any]]:
     """Run ``python -m module --worker SPEC`` as ``world`` training ranks (RANK, WORLD_SIZE and
     a free MASTER_PORT for torch.distributed; rank r talks to the daemon of ``host<r>``); return
     each rank's last line of stdout as JSON, in rank order. Raises RuntimeError naming ``what``
-    if a rank fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    if a rank fails.
+
+    The port is free when picked, not reserved: a run of ``ecsnap bench train`` ended in its
+    fifth repeat when rank 0's TCPStore found it taken (EADDRINUSE) by then. A launch whose rank
+    fails so is run again on another port, at most ``PORT_TRIES`` times (the ranks fail while
+    joining the group, before they do anything else). Each rank's stderr goes to a file, copied
+    to this process's stderr once the ranks are done."""
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port()
+        try:
+            return _launch(module, spec, world, what, timeout, port)
+        except _PortTaken:
+            if attempt == PORT_TRIES:
+                raise RuntimeError(
+                    f"{what}: the training ranks found their port taken {PORT_TRIES} times"
+                ) from None
+            print(f"{what}: port {port} was taken: launching the ranks again", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _launch(
+    module: str, spec: dict[str, Any], world: int, what: str, timeout: float, port: int
+) -> list[dict[str, Any]]:
     procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "ECSNAP_HOST": f"host{rank}",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", module, "--worker", json.dumps(spec)],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"a training rank failed ({p.returncode}) in {what}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        _reap(procs)  # the ranks left when one failed, or the benchmark was stopped
-    return out
+    with tempfile.TemporaryDirectory(prefix="ecsnap-ranks-") as tmp:
+        errs = [Path(tmp) / f"rank{rank}.err" for rank in range(world)]
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "ECSNAP_HOST": f"host{rank}",
+            }
+            with errs[rank].open("w") as err:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, "--worker", json.dumps(spec)],
+                        env=env,
+                        cwd=REPO,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                    )
+                )
+        out = []
+        failed = None
+        try:
+            for p in procs:
+                stdout, _ = p.communicate(timeout=timeout)
+                if p.returncode != 0:
+                    failed = p.returncode
+                    break
+                out.append(json.loads(stdout.strip().splitlines()[-1]))
+        finally:
+            _reap(procs)  # the ranks left when one failed, or the benchmark was stopped
+            texts = [e.read_text(errors="replace") for e in errs]
+            for text in texts:
+                sys.stderr.write(text)
+            sys.stderr.flush()
+        if failed is not None:
+            if any(m in t for t in texts for m in _PORT_TAKEN):
+                raise _PortTaken()
+            raise RuntimeError(f"a training rank failed ({failed}) in {what}")
+        return out
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

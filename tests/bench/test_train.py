@@ -45,3 +45,47 @@ def test_a_failed_rank_fails_the_run_and_leaves_no_rank_running() -> None:
     with pytest.raises(RuntimeError, match=r"a training rank failed \(3\) in three ranks"):
         gloo_ranks(module, {}, 3, "three ranks", timeout=60)
     assert _running(module) == []  # rank 2, a minute from its end, was killed
+
+
+def test_ranks_whose_port_was_taken_are_launched_again_on_another(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from bench import harness
+
+    module = "tests.bench._gloo_store_worker"
+    with socket.socket() as taken:  # what took the port between its pick and rank 0's bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        picks = iter([busy])
+        real = harness.free_port
+        monkeypatch.setattr(harness, "free_port", lambda: next(picks, None) or real())
+        out = harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
+    err = capfd.readouterr().err
+    # the fault fired: rank 0's own TCPStore could not listen on the taken port
+    assert "EADDRINUSE" in err or "address already in use" in err
+    assert f"two ranks: port {busy} was taken: launching the ranks again" in err
+    assert [r["rank"] for r in out] == [0, 1]
+    assert out[0]["port"] == out[1]["port"] != busy
+    assert out[0]["pids"] == out[1]["pids"]  # both joined the same store
+    assert _running(module) == []
+
+
+def test_ranks_that_find_their_port_taken_each_time_fail_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from bench import harness
+
+    module = "tests.bench._gloo_store_worker"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = int(taken.getsockname()[1])
+        monkeypatch.setattr(harness, "free_port", lambda: busy)
+        with pytest.raises(RuntimeError, match=r"found their port taken 3 times"):
+            harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
+    assert _running(module) == []
