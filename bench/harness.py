@@ -211,10 +211,10 @@ def gloo_ranks(
     if a rank fails.
 
     The port is free when picked, not reserved: a run of ``ecsnap bench train`` ended in its
-    fifth repeat when rank 0's TCPStore found it taken (EADDRINUSE) by then. A launch whose rank
-    fails so is run again on another port, at most ``PORT_TRIES`` times (the ranks fail while
-    joining the group, before they do anything else). Each rank's stderr goes to a file, copied
-    to this process's stderr once the ranks are done."""
+    fifth repeat when rank 0's TCPStore found it taken (EADDRINUSE) by then. A launch whose first
+    failed rank says so (rank 0 serves the store and fails at once; it is waited for first) is
+    run again on another port, at most ``PORT_TRIES`` times. Each rank's stderr goes to a file,
+    copied to this process's stderr once the ranks are done."""
     for attempt in range(1, PORT_TRIES + 1):
         port = free_port()
         try:
@@ -259,12 +259,12 @@ def _launch(
                     )
                 )
         out = []
-        failed = None
+        failed = None  # (rank, exit status) of the first rank found failed
         try:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 stdout, _ = p.communicate(timeout=timeout)
                 if p.returncode != 0:
-                    failed = p.returncode
+                    failed = (rank, p.returncode)
                     break
                 out.append(json.loads(stdout.strip().splitlines()[-1]))
         finally:
@@ -274,9 +274,10 @@ def _launch(
                 sys.stderr.write(text)
             sys.stderr.flush()
         if failed is not None:
-            if any(m in t for t in texts for m in _PORT_TAKEN):
+            rank, status = failed
+            if any(m in texts[rank] for m in _PORT_TAKEN):  # its own error, no other rank's
                 raise _PortTaken()
-            raise RuntimeError(f"a training rank failed ({failed}) in {what}")
+            raise RuntimeError(f"a training rank failed ({status}) in {what}")
         return out
 
 
