@@ -19,7 +19,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,12 +29,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = ("trainer", "daemons", "host", "2hosts", "none")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Procs:
@@ -151,7 +144,9 @@ class Demo:
             "resume": resume,
             "fail_at": kill_at,
         }
-        port = _free_port()
+        from bench.harness import free_port
+
+        port = free_port()
         events: queue.Queue[tuple[int, dict[str, Any] | str]] = queue.Queue()
         trainers = []
         for rank in range(self.world):

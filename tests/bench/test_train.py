@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,45 +48,44 @@ def test_a_failed_rank_fails_the_run_and_leaves_no_rank_running() -> None:
     assert _running(module) == []  # rank 2, a minute from its end, was killed
 
 
-def test_ranks_whose_port_was_taken_are_launched_again_on_another(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port a listening socket holds: what took the port between its pick and rank 0's bind."""
     import socket
 
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield int(taken.getsockname()[1])
+
+
+def test_ranks_whose_port_was_taken_are_launched_again_on_another(
+    taken_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     from bench import harness
 
     module = "tests.bench._gloo_store_worker"
-    with socket.socket() as taken:  # what took the port between its pick and rank 0's bind
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = int(taken.getsockname()[1])
-        picks = iter([busy])
-        real = harness.free_port
-        monkeypatch.setattr(harness, "free_port", lambda: next(picks, None) or real())
-        out = harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
+    picks = iter([taken_port])
+    real = harness.free_port
+    monkeypatch.setattr(harness, "free_port", lambda: next(picks, None) or real())
+    out = harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
     err = capfd.readouterr().err
     # the fault fired: rank 0's own TCPStore could not listen on the taken port
     assert "EADDRINUSE" in err or "address already in use" in err
-    assert f"two ranks: port {busy} was taken: launching the ranks again" in err
+    assert f"two ranks: port {taken_port} was taken: launching the ranks again" in err
     assert [r["rank"] for r in out] == [0, 1]
-    assert out[0]["port"] == out[1]["port"] != busy
+    assert out[0]["port"] == out[1]["port"] != taken_port
     assert out[0]["pids"] == out[1]["pids"]  # both joined the same store
     assert _running(module) == []
 
 
 def test_ranks_that_find_their_port_taken_each_time_fail_the_run(
-    monkeypatch: pytest.MonkeyPatch,
+    taken_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import socket
-
     from bench import harness
 
     module = "tests.bench._gloo_store_worker"
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = int(taken.getsockname()[1])
-        monkeypatch.setattr(harness, "free_port", lambda: busy)
-        with pytest.raises(RuntimeError, match=r"found their port taken 3 times"):
-            harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
+    monkeypatch.setattr(harness, "free_port", lambda: taken_port)
+    with pytest.raises(RuntimeError, match=r"found their port taken 3 times"):
+        harness.gloo_ranks(module, {}, 2, "two ranks", timeout=120)
     assert _running(module) == []

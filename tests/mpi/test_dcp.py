@@ -5,24 +5,17 @@ and another sharding (DCP's planner reshards), and after a host is lost."""
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
-from bench.harness import Cluster
+from bench.harness import Cluster, free_port
 
 from ._trainer import trainers
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     try:
-        saved = trainers(c, "dcp_save", world=2, per_host=1, params={"port": _port()})
+        saved = trainers(c, "dcp_save", world=2, per_host=1, params={"port": free_port()})
         assert all(r["steps"] == [1, 2] and r["staged_at_return"] for r in saved), saved
         # 4 ranks read what 2 wrote, cut the other way; 2 ranks read it back as written
         for world, per_host, layout in ((4, 1, "cols"), (2, 2, "rows")):
@@ -31,7 +24,7 @@ def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
                 "dcp_load",
                 world=world,
                 per_host=per_host,
-                params={"port": _port(), "steps": [1, 2], "layout": layout},
+                params={"port": free_port(), "steps": [1, 2], "layout": layout},
             )
             assert all(r["wrong"] == {} for r in res), res
         # the host that held rank 1's shard is lost: DCP still loads every byte
@@ -43,7 +36,7 @@ def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
             "dcp_load",
             world=4,
             per_host=1,
-            params={"port": _port(), "steps": [2], "layout": "rows", "explicit": False},
+            params={"port": free_port(), "steps": [2], "layout": "rows", "explicit": False},
         )
         assert all(r["wrong"] == {} for r in res), res
     finally:
@@ -53,11 +46,13 @@ def test_dcp_save_async_save_and_resharded_load(shm_root: Path) -> None:
 def test_fsdp2_model_and_optimizer_resharded_2_to_4(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=2, m=2)
     try:
-        saved = trainers(c, "fsdp_save", world=2, per_host=1, params={"port": _port(), "step": 5})
+        saved = trainers(
+            c, "fsdp_save", world=2, per_host=1, params={"port": free_port(), "step": 5}
+        )
         expect = saved[0]["expect"]
         assert any(k.startswith("optim.state") for k in expect)  # AdamW moments saved too
         res = trainers(
-            c, "fsdp_load", world=4, per_host=1, params={"port": _port(), "expect": expect}
+            c, "fsdp_load", world=4, per_host=1, params={"port": free_port(), "expect": expect}
         )
         assert all(r["wrong"] == [] and r["compared"] == len(expect) for r in res), res
     finally:
@@ -67,7 +62,7 @@ def test_fsdp2_model_and_optimizer_resharded_2_to_4(shm_root: Path) -> None:
 def test_checkpoint_ids_overwrite_and_faults_on_one_rank(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "8"])
     try:
-        res = trainers(c, "dcp_ids", world=2, per_host=1, params={"port": _port()})
+        res = trainers(c, "dcp_ids", world=2, per_host=1, params={"port": free_port()})
         for r in res:
             assert r["wrong"] == {} and r["newest"] == [], r
             assert r["steps"] == [10, 20, 30], r
@@ -76,7 +71,7 @@ def test_checkpoint_ids_overwrite_and_faults_on_one_rank(shm_root: Path) -> None
             assert r["valid"] == [True, False, False]
         [one] = trainers(c, "dcp_no_dist", world=1, per_host=1, params={})
         assert one["same"] and 55 in one["steps"], one
-        res = trainers(c, "dcp_faulty", world=2, per_host=1, params={"port": _port()})
+        res = trainers(c, "dcp_faulty", world=2, per_host=1, params={"port": free_port()})
         for r in res:
             assert all(r["raised"].values()), r  # every injected fault reached every rank
             assert all(r["named"].values()), r  # and the rank it struck names it
@@ -91,7 +86,7 @@ def test_sharded_tensor_specs_and_dtensor_placements_reshard(shm_root: Path) -> 
     c = Cluster(shm_root, hosts=4, k=3, m=1, extra=["--keep", "3"])
     try:
         for scenario in ("dcp_sharded", "dcp_dtensor"):
-            res = trainers(c, scenario, world=4, per_host=1, params={"port": _port()})
+            res = trainers(c, scenario, world=4, per_host=1, params={"port": free_port()})
             assert all(r["wrong"] == [] for r in res), (scenario, res)
     finally:
         assert c.stop() == 0
