@@ -93,6 +93,7 @@ class SaveHandle:
         # whether staging mapped its file itself (its first use in this process) rather than
         # finding it mapped by an earlier put or ahead of need (None: no file mapped yet)
         self.first_map: bool | None = None
+        self.new_file = False  # no earlier put of this Store had its file (mapped or not)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until protected; return the step or raise the failure (``TimeoutError`` if it
@@ -145,6 +146,8 @@ class Store:
         self._mapping: dict[str, threading.Event] = {}  # paths being mapped, set once mapped
         self._maps_closed = False
         self._ahead_threads: dict[int, threading.Thread] = {}  # rank -> its files' mapper
+        # reserve files (--reserve) mapped before the first put, by the path they had then
+        self._premaps: dict[str, shm.MappedFile] = {}
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
@@ -160,6 +163,8 @@ class Store:
         self._daemon_dir: str = str(info.get("dir", self.socket_path.parent))
         self.hosts: list[str] = info["hosts"]
         self.k, self.m = int(info["k"]), int(info["m"])
+        if info.get("reserve"):
+            threading.Thread(target=self._premap, name="ecsnap-premap", daemon=True).start()
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -300,7 +305,7 @@ class Store:
                 if self._registry is not None:
                     self._registry.forget(old.array)
                 old.close()
-            mf = shm.MappedFile(path, size, populate=True)
+            mf = self._from_premap(path, size) or shm.MappedFile(path, size, populate=True)
             with self._maps_lock:
                 if self._maps_closed:
                     mf.close()
@@ -344,8 +349,99 @@ class Store:
         mapped it itself (``first_map``)."""
         path, size = alloc["path"], int(alloc["size"])
         if handle.first_map is None:
-            handle.first_map = not self._mapped(path, size)
+            handle.new_file = not self._mapped(path, size)
+            handle.first_map = handle.new_file and self._premapped(path, size) is None
         return self._map(path, size)
+
+    def _premap(self) -> None:
+        """Map the reserve files (``--reserve``) that the daemon claims for this Store's rank
+        before its first put, on a thread of its own started at connect, while training loads.
+
+        A reserve file has no owner until a put's take turns it into the file it needs
+        (renamed, and cut later or grown: :meth:`storage.pool.Pool.take`), so the first put
+        after a start with ``--reserve`` mapped its file inside the put (``MAP_POPULATE``: 36-71
+        ms for 375 MB with four trainers mapping at once on 2 cores, staging 0.125-0.141 s
+        against 0.054 in steady state). The daemon claims files for this rank, at most its share
+        of the reserve, and its takes prefer them; :meth:`_map` then reuses the mapping of the
+        renamed file (same inode). It asks every ``AHEAD_POLL`` seconds while the reserve is
+        being made, until this Store's first put. Mappings no put took are let go once the
+        rank's files made ahead are mapped (:meth:`_ahead`) or the Store closes: till then they
+        keep the pages of a reserve file the daemon dropped."""
+        try:
+            conn = self._open()
+        except StorageError:
+            return  # no daemon now: the puts map their own files
+        with self._lock:
+            self._waiters.add(conn)  # close() shuts it
+        try:
+            request = {"op": "premap", "rank": self.rank, "world_size": self.world_size}
+            while not self._closed and self._last_put is None:
+                reply = self._request(request, conn)
+                for path, size in reply["files"]:
+                    path = self._here(path)
+                    with self._maps_lock:
+                        if path in self._premaps:
+                            continue
+                    try:
+                        mf = shm.MappedFile(path, int(size), populate=True)
+                    except (OSError, ValueError):
+                        continue  # taken or dropped meanwhile: a put maps its own
+                    with self._maps_lock:
+                        closed = self._maps_closed
+                        if not closed:
+                            self._premaps[path] = mf
+                    if closed:
+                        mf.close()
+                        return
+                if not reply["making"]:
+                    return
+                time.sleep(AHEAD_POLL)
+        except (StorageError, OSError, ProtocolError):
+            pass  # closed, or the daemon went: the puts map their own files
+        finally:
+            with self._lock:
+                self._waiters.discard(conn)
+            conn.close()
+
+    def _premapped(self, path: str, size: int = 0) -> str | None:
+        """The path under which a reserve file now at ``path`` was mapped before the first
+        put (at least ``size`` bytes of it), if it was."""
+        with self._maps_lock:
+            if not self._premaps:
+                return None
+        try:
+            st = os.stat(self._here(path))
+        except OSError:
+            return None
+        with self._maps_lock:
+            for old, mf in self._premaps.items():
+                if mf.inode == (st.st_dev, st.st_ino) and mf.size >= size:
+                    return old
+        return None
+
+    def _from_premap(self, path: str, size: int) -> shm.MappedFile | None:
+        """The mapping made before the first put of the reserve file the daemon renamed to
+        ``path``, narrowed to ``size`` bytes; None if there is none, or the file grew past it
+        (then it is let go, and the caller maps the file anew)."""
+        old = self._premapped(path)
+        if old is None:
+            return None
+        with self._maps_lock:
+            mf = self._premaps.pop(old, None)
+        if mf is None:
+            return None  # taken by another thread meanwhile
+        if size > mf.size:
+            mf.close()
+            return None
+        mf.follow(path, size)
+        return mf
+
+    def _drop_premaps(self) -> None:
+        """Let go of the reserve files mapped before the first put that no put took."""
+        with self._maps_lock:
+            gone, self._premaps = list(self._premaps.values()), {}
+        for mf in gone:
+            mf.close()
 
     def _start_ahead(self, rank: int) -> None:
         """Map the files the daemon makes ahead for ``rank``'s next puts before they ask for
@@ -415,6 +511,7 @@ class Store:
             with self._lock:
                 self._waiters.discard(conn)
             conn.close()
+            self._drop_premaps()
 
     # -- the public calls -------------------------------------------------------------------------
 
@@ -643,7 +740,7 @@ class Store:
             return
         handle.t_protected = time.perf_counter()
         self._settled(handle)
-        if handle.first_map:  # the daemon makes the next puts' files now: map them ahead
+        if handle.new_file:  # the daemon makes the next puts' files now: map them ahead
             self._start_ahead(handle.rank)
         if handle.kept is not None:
             with self._lock:
@@ -827,8 +924,9 @@ class Store:
             self._registry.close()
         with self._maps_lock:
             self._maps_closed = True  # a file being mapped ahead is closed by its mapper
-            maps = list(self._maps.values())
+            maps = list(self._maps.values()) + list(self._premaps.values())
             self._maps.clear()
+            self._premaps.clear()
         for mf in maps:
             mf.close()
 

@@ -85,6 +85,9 @@ class Pool:
         # reserve files turned into smaller ones and not cut yet: name -> bytes past its size
         # that it still holds (cut in idle time by :meth:`cut`, counted in ``used`` till then)
         self.uncut: dict[str, int] = {}
+        # free reserve files a trainer maps before its rank's first put (:meth:`claim`): name ->
+        # the prefix of that rank's files, whose takes prefer them
+        self.claims: dict[str, str] = {}
 
     @property
     def used(self) -> int:
@@ -231,17 +234,41 @@ class Pool:
             if name not in self.files and not self.path(name).exists():
                 return name
 
-    def _reserve_for(self, need: int) -> Buffer | None:
+    def claim(self, prefix: str, share: int) -> list[Buffer]:
+        """The complete free reserve files claimed for ``prefix`` (one rank's files), after
+        claiming unclaimed ones, largest first, while the claims add up to at most ``share``
+        bytes: that rank's trainer maps them before its first put, and the takes of ``prefix``
+        prefer them among the files that fault in as few pages (:meth:`_reserve_for`), so that
+        the put finds its file mapped already. A claim binds nothing: it only breaks ties."""
+        with self.lock:
+            mine = [n for n, p in self.claims.items() if p == prefix and n in self.free]
+            total = sum(self.files[n].size for n in mine)
+            unclaimed = [
+                self.files[n]
+                for n in self.free
+                if n.startswith(RESERVE) and n not in self.partial and n not in self.claims
+            ]
+            for b in sorted(unclaimed, key=lambda b: (-b.size, b.name)):
+                if total + b.size <= share:
+                    self.claims[b.name] = prefix
+                    mine.append(b.name)
+                    total += b.size
+            return [self.files[n] for n in mine]
+
+    def _reserve_for(self, need: int, prefix: str) -> Buffer | None:
         """The complete free reserve file that turns into one of ``need`` bytes with the fewest
-        pages left to fault in (the smallest of those, keeping larger ones for larger needs),
-        if that beats a new file (under the lock). Cutting a larger one costs no time: its
-        pre-faulted tail goes back to the system (counted in ``reserve_wasted``)."""
-        best: tuple[int, int] | None = None
+        pages left to fault in, one claimed for ``prefix`` first, then an unclaimed one (then
+        the smallest, keeping larger ones for larger needs), if that beats a new file (under the
+        lock). Cutting a larger one costs no time: its pre-faulted tail goes back to the system
+        (counted in ``reserve_wasted``)."""
+        best: tuple[int, int, int] | None = None
         found = None
         for name in self.free:
             if name.startswith(RESERVE) and name not in self.partial:
                 b = self.files[name]
-                key = (max(0, need - b.size), b.size)
+                owner = self.claims.get(name)
+                mine = 0 if owner == prefix else 1 if owner is None else 2
+                key = (max(0, need - b.size), mine, b.size)
                 if key[0] < need and (best is None or key < best):
                     best, found = key, b
         return found
@@ -251,11 +278,12 @@ class Pool:
         meanwhile) and name the file it becomes, if one beats a new file and its growth and
         ``reserve`` fit the budget; None otherwise."""
         with self.lock:
-            spare = self._reserve_for(need)
+            spare = self._reserve_for(need, prefix)
             if spare is None or not self._fits(reserve + max(0, need - spare.size)):
                 return None
             self.free.discard(spare.name)
             del self.files[spare.name]
+            self.claims.pop(spare.name, None)
             self._making += need  # counted while it changes name and size
             return spare, self._name(prefix)
 
@@ -518,6 +546,7 @@ class Pool:
         self.uncut.pop(name, None)
         self.partial.pop(name, None)
         self.adopted.discard(name)
+        self.claims.pop(name, None)
         buf.file.close()
         try:
             self.path(name).unlink()

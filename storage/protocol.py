@@ -478,6 +478,15 @@ class AheadRequest(TypedDict):
     rank: int
 
 
+class PremapRequest(TypedDict):
+    """The reserve files claimed for rank ``rank`` (a trainer maps them before its first put),
+    its share of ``--reserve`` counting ``world_size`` ranks spread evenly over the hosts."""
+
+    op: str
+    rank: int
+    world_size: int
+
+
 class GetReply(TypedDict, total=False):
     """Where a shard's bytes are: a file to map (``size`` bytes), the shard's ``nbytes`` and its
     table's (offset, length) in it; ``temp`` files are the reader's to release; ``buffer`` names
@@ -509,6 +518,7 @@ REQUESTS: dict[str, Any] = {
     "delete": StepRequest,
     "info": PlainRequest,
     "ahead": AheadRequest,
+    "premap": PremapRequest,
 }
 _AT_LEAST = {"world_size": 1}  # other ints are >= 0
 _AT_MOST = {"world_size": MAX_WORLD, "rank": MAX_WORLD - 1}  # others fit an int64

@@ -8,10 +8,10 @@ lock across I/O.
 
 Requests (``op``, typed in :mod:`storage.protocol`): ``hello``, ``alloc``, ``staged``,
 ``abort``, ``wait``, ``get``, ``release``, ``unlease``, ``steps``, ``status``, ``delete``,
-``info``, ``ahead``. Each frame is checked against its type before its handler sees it: one
-that breaks the protocol is answered with a :class:`StorageError` naming the field ("bad request:
-..."); a bug in the daemon is answered as an internal error and logged with its traceback, never
-as a bad request.
+``info``, ``ahead``, ``premap``. Each frame is checked against its type before its handler
+sees it: one that breaks the protocol is answered with a :class:`StorageError` naming the field
+("bad request: ..."); a bug in the daemon is answered as an internal error and logged with its
+traceback, never as a bad request.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from storage.protocol import (
     HelloRequest,
     Pin,
     PlainRequest,
+    PremapRequest,
     ReleaseRequest,
     RequestError,
     ShardRecord,
@@ -145,6 +146,7 @@ class Service:
             "m": h.group.m,
             "chunk_bytes": h.chunk_bytes,
             "dir": str(h.dir),
+            "reserve": h.config.reserve,
         }
 
     def _op_alloc(self, msg: AllocRequest, conn: int) -> dict[str, Any]:
@@ -275,6 +277,18 @@ class Service:
             "held": [str(h.pool.path(n)) for n in held],
             "adopted": [str(h.pool.path(n)) for n in adopted],
         }
+
+    def _op_premap(self, msg: PremapRequest, conn: int) -> dict[str, Any]:
+        """For rank ``rank``'s trainer before its first put (:meth:`storage.Store._premap`):
+        the reserve files claimed for it (``files``: [path, size]; :meth:`Pool.claim`), at most
+        its share of ``--reserve`` (the reserve over this host's ranks, ``world_size`` ranks
+        spread evenly over the hosts), and whether the reserve is still being made (``making``).
+        """
+        h = self.host
+        per_host = -(-msg["world_size"] // len(h.hosts))
+        bufs = h.pool.claim(f"r{msg['rank']}-", h.config.reserve // per_host)
+        making = self.warmer is not None and self.warmer.reserving
+        return {"files": [[str(h.pool.path(b.name)), b.size] for b in bufs], "making": making}
 
     def _op_staged(self, msg: StagedRequest, conn: int) -> dict[str, Any]:
         h = self.host

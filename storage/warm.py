@@ -67,6 +67,7 @@ class Warmer:
         self.want: dict[str, int] = {}  # prefix -> size the next puts will take (see learn)
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.reserving = bool(reserve)  # the reserve files are still being made
 
     # -- what the next puts will need -------------------------------------------------------------
 
@@ -169,7 +170,10 @@ class Warmer:
             if self.first is not None and self._pause():
                 self.first()
             if self.reserve:
-                self._make_reserve()
+                try:
+                    self._make_reserve()
+                finally:
+                    self.reserving = False
             while not self._stop:
                 if h.pool.uncut and self._pause():
                     h.pool.cut()  # the tails of reserve files the first puts took
@@ -178,6 +182,7 @@ class Warmer:
                     with h.cond:
                         h.cond.wait(0.5)  # notified every round
         except Exception as exc:  # never the daemon's end: puts make their own files
+            self.reserving = False
             h.log(f"warm: making files ahead of need stopped: {type(exc).__name__}: {exc}")
 
     def _make_reserve(self) -> None:

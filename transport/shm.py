@@ -146,6 +146,11 @@ class MappedFile:
             self.array = np.zeros(0, dtype=np.uint8)
         self._lock = threading.Lock()
 
+    @property
+    def inode(self) -> tuple[int, int]:
+        """``(st_dev, st_ino)`` of the file mapped (it stays the same file when renamed)."""
+        return self._inode
+
     def current(self) -> bool:
         """Whether ``path`` still names the file this maps (not deleted, not made anew)."""
         try:

@@ -197,6 +197,28 @@ def test_reserve_serves_the_first_put_and_outlives_a_restart(shm_root: Path) -> 
         again_cluster.stop()
 
 
+def test_trainers_map_their_reserve_files_before_their_first_put(shm_root: Path) -> None:
+    """Each Store maps the reserve files its daemon claims for its rank while training loads;
+    the first put finds its file (a renamed reserve file) mapped. A shard larger than every
+    reserve file grows one: the mapping made before is too short, and the put maps it anew."""
+    big = 120 << 20  # rank 0's shard: more than the largest reserve file (96 MiB of 192)
+    with _cluster(shm_root, ["--reserve", "192M", "--keep", "1"]) as cluster:
+        with _stores(cluster) as stores:
+            _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
+            _until("the reserve mapped", lambda: all(len(s._premaps) == 5 for s in stores))
+            handles = [
+                s.put(1, make_state(r, 1, nbytes=big if r == 0 else NBYTES))
+                for r, s in enumerate(stores)
+            ]
+            assert all(h.wait(60) == 1 for h in handles)
+            assert [h.first_map for h in handles] == [True, False, False, False]
+            for r, s in enumerate(stores):
+                assert_same(s.get(1), make_state(r, 1, nbytes=big if r == 0 else NBYTES))
+                assert s.info()["stats"]["pool_fresh_bytes"] < big  # from the reserve
+            # the rest is let go once the files of the next puts are mapped
+            _until("the reserve let go", lambda: not any(s._premaps for s in stores))
+
+
 def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path) -> None:
     """A step protected but not yet acknowledged to its trainer is live work: the trainer hears
     of it only after one more round (every manifest written), and a warmer that takes the cores

@@ -246,3 +246,20 @@ def test_a_reserve_file_grown_ahead_of_need_is_not_counted_as_a_puts_fresh_pages
     assert made is not None and made.name in pool.free and made.size == 2 << 20
     assert pool.fresh_bytes == 0 and pool.ahead_bytes == 2 << 20
     assert pool.take(2 << 20, "p").name == made.name and pool.fresh_bytes == 0
+
+
+def test_a_rank_claims_its_share_of_the_reserve_and_its_takes_prefer_it(host_dir: Path) -> None:
+    pool = Pool(host_dir, budget=None)
+    big, mid, small = (pool.make(n << 20, RESERVE, _never_pause) for n in (8, 4, 2))
+    assert big is not None and mid is not None and small is not None
+    # largest first, within the share: 8 MiB is more than r0's 6, so 4 and 2
+    assert {b.name for b in pool.claim("r0-", 6 << 20)} == {mid.name, small.name}
+    assert [b.name for b in pool.claim("r1-", 16 << 20)] == [big.name]  # what is left
+    assert {b.name for b in pool.claim("r0-", 6 << 20)} == {mid.name, small.name}  # the same
+    # both 8 and 4 MiB hold 3 MiB with nothing to fault in: r1's own claim wins over smaller
+    assert pool.take(3 << 20, "r1-").file is big.file
+    # parity has no claim: the smallest that fits, whoever claimed it
+    assert pool.take(3 << 19, "p").file is small.file
+    assert pool.claims == {mid.name: "r0-"}
+    pool.drop(mid.name)  # dropped to make room: no claim outlives its file
+    assert pool.claims == {} and pool.claim("r0-", 6 << 20) == []
