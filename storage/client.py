@@ -32,6 +32,7 @@ from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import DaemonUnavailableError, StorageError, from_wire
 from storage.gpu import to_device
+from storage.maps import Maps
 from storage.protocol import MAX_STEP, MAX_WORLD
 from storage.table import aligned, digest, unpack_table
 from transport import control, shm
@@ -141,13 +142,7 @@ class Store:
         self._pid = os.getpid()  # a forked child shares the socket, but not the threads
         self._stale = False  # the connection's last request timed out
         self._conn, info = self._handshake()
-        self._maps: dict[str, shm.MappedFile] = {}
-        self._maps_lock = threading.Lock()
-        self._mapping: dict[str, threading.Event] = {}  # paths being mapped, set once mapped
-        self._maps_closed = False
         self._ahead_threads: dict[int, threading.Thread] = {}  # rank -> its files' mapper
-        # reserve files (--reserve) mapped before the first put, by the path they had then
-        self._premaps: dict[str, shm.MappedFile] = {}
         self._copy_pool = ThreadPoolExecutor(2, thread_name_prefix="ecsnap-copy")
         self._bg = ThreadPoolExecutor(4, thread_name_prefix="ecsnap-put")
         self._closed = False
@@ -161,6 +156,7 @@ class Store:
         self.daemon_host: str = info["host"]
         # the daemon's host directory as the daemon names it: paths it gives are under it
         self._daemon_dir: str = str(info.get("dir", self.socket_path.parent))
+        self._maps = Maps(self._daemon_dir, str(self.socket_path.parent), self._forget)
         self.hosts: list[str] = info["hosts"]
         self.k, self.m = int(info["k"]), int(info["m"])
         if info.get("reserve"):
@@ -273,85 +269,19 @@ class Store:
             raise from_wire(reply)
         return reply
 
-    def _here(self, path: str) -> str:
-        """A path the daemon gave, as this process sees it: the daemon's host directory may be
-        mounted elsewhere here (a container, or a lab host's /dev/shm seen from outside)."""
-        if path.startswith(self._daemon_dir + "/"):
-            return str(self.socket_path.parent) + path[len(self._daemon_dir) :]
-        return path
-
-    def _map(self, path: str, size: int) -> shm.MappedFile:
-        """This Store's mapping of a file the daemon gave (``size`` bytes), made once and kept
-        for the file's later puts and reads. One thread maps a file; another that wants it
-        meanwhile waits for that mapping."""
-        path = self._here(path)
-        while True:
-            with self._maps_lock:
-                if self._maps_closed:
-                    raise StorageError("this Store is closed")
-                busy = self._mapping.get(path)
-                if busy is None:
-                    mf = self._maps.get(path)
-                    # a restarted daemon may have deleted that file and made another under its
-                    # name
-                    if mf is not None and mf.size == size and mf.current():
-                        return mf
-                    done = self._mapping[path] = threading.Event()
-                    old = self._maps.pop(path, None)
-                    break
-            busy.wait()
-        try:
-            if old is not None:
-                if self._registry is not None:
-                    self._registry.forget(old.array)
-                old.close()
-            mf = self._from_premap(path, size) or shm.MappedFile(path, size, populate=True)
-            with self._maps_lock:
-                if self._maps_closed:
-                    mf.close()
-                    raise StorageError("this Store is closed")
-                self._maps[path] = mf
-            return mf
-        finally:
-            with self._maps_lock:
-                del self._mapping[path]
-            done.set()
-
-    def _rank_maps(self, rank: int) -> set[str]:
-        """The paths of the shard buffers of ``rank`` this Store maps."""
-        data = Path(self._here(f"{self._daemon_dir}/data"))
-        with self._maps_lock:
-            return {
-                p
-                for p in self._maps
-                if Path(p).parent == data and Path(p).name.startswith(f"r{rank}-")
-            }
-
-    def _unmap(self, paths: set[str]) -> None:
-        """Let go of this Store's mappings of ``paths`` (files its daemon deleted); views that
-        :meth:`get` returned keep theirs."""
-        with self._maps_lock:
-            gone = [self._maps.pop(p) for p in paths if p in self._maps and p not in self._mapping]
-        for mf in gone:
-            if self._registry is not None:
-                self._registry.forget(mf.array)
-            mf.close()
-
-    def _mapped(self, path: str, size: int) -> bool:
-        """Whether ``path`` is mapped at ``size`` bytes already, or being mapped."""
-        path = self._here(path)
-        with self._maps_lock:
-            mf = self._maps.get(path)
-            return (mf is not None and mf.size == size) or path in self._mapping
+    def _forget(self, array: Any) -> None:
+        """A mapping let go: the CUDA registry forgets its pinned host memory."""
+        if self._registry is not None:
+            self._registry.forget(array)
 
     def _put_map(self, handle: SaveHandle, alloc: dict[str, Any]) -> shm.MappedFile:
         """The mapping of the file a put's ``alloc`` gave; the handle says whether the put
         mapped it itself (``first_map``)."""
         path, size = alloc["path"], int(alloc["size"])
         if handle.first_map is None:
-            handle.new_file = not self._mapped(path, size)
-            handle.first_map = handle.new_file and self._premapped(path, size) is None
-        return self._map(path, size)
+            handle.new_file = not self._maps.mapped(path, size)
+            handle.first_map = handle.new_file and self._maps.premapped(path, size) is None
+        return self._maps.map(path, size)
 
     def _premap(self) -> None:
         """Map the reserve files (``--reserve``) that the daemon claims for this Store's rank
@@ -362,11 +292,11 @@ class Store:
         after a start with ``--reserve`` mapped its file inside the put (``MAP_POPULATE``: 36-71
         ms for 375 MB with four trainers mapping at once on 2 cores, staging 0.125-0.141 s
         against 0.054 in steady state). The daemon claims files for this rank, at most its share
-        of the reserve, and its takes prefer them; :meth:`_map` then reuses the mapping of the
-        renamed file (same inode). It asks every ``AHEAD_POLL`` seconds while the reserve is
-        being made, until this Store's first put. Mappings no put took are let go once the
-        rank's files made ahead are mapped (:meth:`_ahead`) or the Store closes: till then they
-        keep the pages of a reserve file the daemon dropped."""
+        of the reserve, and its takes prefer them; :meth:`storage.maps.Maps.map` then takes over
+        the mapping of the renamed file (same inode). It asks every ``AHEAD_POLL`` seconds
+        while the reserve is being made, until this Store's first put. Mappings no put took
+        are let go once the rank's files made ahead are mapped (:meth:`_ahead`) or the Store
+        closes: till then they keep the pages of a reserve file the daemon dropped."""
         try:
             conn = self._open()
         except StorageError:
@@ -378,21 +308,8 @@ class Store:
             while not self._closed and self._last_put is None:
                 reply = self._request(request, conn)
                 for path, size in reply["files"]:
-                    path = self._here(path)
-                    with self._maps_lock:
-                        if path in self._premaps:
-                            continue
-                    try:
-                        mf = shm.MappedFile(path, int(size), populate=True)
-                    except (OSError, ValueError):
-                        continue  # taken or dropped meanwhile: a put maps its own
-                    with self._maps_lock:
-                        closed = self._maps_closed
-                        if not closed:
-                            self._premaps[path] = mf
-                    if closed:
-                        mf.close()
-                        return
+                    if not self._maps.premap(path, int(size)):
+                        return  # closed
                 if not reply["making"]:
                     return
                 time.sleep(AHEAD_POLL)
@@ -403,46 +320,6 @@ class Store:
                 self._waiters.discard(conn)
             conn.close()
 
-    def _premapped(self, path: str, size: int = 0) -> str | None:
-        """The path under which a reserve file now at ``path`` was mapped before the first
-        put (at least ``size`` bytes of it), if it was."""
-        with self._maps_lock:
-            if not self._premaps:
-                return None
-        try:
-            st = os.stat(self._here(path))
-        except OSError:
-            return None
-        with self._maps_lock:
-            for old, mf in self._premaps.items():
-                if mf.inode == (st.st_dev, st.st_ino) and mf.size >= size:
-                    return old
-        return None
-
-    def _from_premap(self, path: str, size: int) -> shm.MappedFile | None:
-        """The mapping made before the first put of the reserve file the daemon renamed to
-        ``path``, narrowed to ``size`` bytes; None if there is none, or the file grew past it
-        (then it is let go, and the caller maps the file anew)."""
-        old = self._premapped(path)
-        if old is None:
-            return None
-        with self._maps_lock:
-            mf = self._premaps.pop(old, None)
-        if mf is None:
-            return None  # taken by another thread meanwhile
-        if size > mf.size:
-            mf.close()
-            return None
-        mf.follow(path, size)
-        return mf
-
-    def _drop_premaps(self) -> None:
-        """Let go of the reserve files mapped before the first put that no put took."""
-        with self._maps_lock:
-            gone, self._premaps = list(self._premaps.values()), {}
-        for mf in gone:
-            mf.close()
-
     def _start_ahead(self, rank: int) -> None:
         """Map the files the daemon makes ahead for ``rank``'s next puts before they ask for
         them, on a thread of its own (one per rank at a time).
@@ -450,8 +327,9 @@ class Store:
         A put whose file this process never mapped maps it inside the put (``MAP_POPULATE``): a
         file's first mapping in a process costs 21-35 ms for 375 MB here, against 8 ms for a
         file mapped before (four trainers mapping at once on 2 cores: 36-71 ms), which the first
-        ``keep + 1`` puts after a start paid on their staging. Called once such a put is
-        protected: its daemon then knows the rank's shard size and makes the next puts' files
+        ``keep + 1`` puts after a start paid on their staging. Called once a put whose file no
+        earlier put had (mapped inside it, or before it from the reserve) is protected: its
+        daemon then knows the rank's shard size and makes the next puts' files
         (:mod:`storage.warm`); the thread asks for them every ``AHEAD_POLL`` seconds and maps
         each one as soon as it is whole (never a partial one: that would fault its missing
         pages in here, at the trainer's priority), until the daemon makes no more, at most
@@ -483,25 +361,25 @@ class Store:
             failed: set[str] = set()  # listed, but could not be mapped: not tried again
             while not self._closed and time.monotonic() < deadline:
                 # mapped before asking: a file a put maps meanwhile may be newer than the reply
-                before = self._rank_maps(rank)
+                before = self._maps.rank_maps(rank)
                 reply = self._request({"op": "ahead", "rank": rank}, conn)
-                held = {self._here(p) for p in reply["held"]}
-                self._unmap(before - held)  # deleted by the daemon
+                held = {self._maps.here(p) for p in reply["held"]}
+                self._maps.unmap(before - held)  # deleted by the daemon
                 new = [
                     (p, int(n))
                     for p, n in reply["files"]
-                    if p not in failed and not self._mapped(p, int(n))
+                    if p not in failed and not self._maps.mapped(p, int(n))
                 ]
                 for path, size in new:
                     try:
-                        self._map(path, size)
+                        self._maps.map(path, size)
                     except (OSError, ValueError):
                         failed.add(path)  # dropped since, or unmappable: a put maps its own
                 if new:
                     continue
                 if reply["making"]:
                     time.sleep(AHEAD_POLL)
-                elif {self._here(p) for p in reply["adopted"]} & self._rank_maps(rank):
+                elif {self._maps.here(p) for p in reply["adopted"]} & self._maps.rank_maps(rank):
                     time.sleep(AHEAD_ADOPTED)
                 else:
                     return
@@ -511,7 +389,7 @@ class Store:
             with self._lock:
                 self._waiters.discard(conn)
             conn.close()
-            self._drop_premaps()
+            self._maps.drop_premaps()
 
     # -- the public calls -------------------------------------------------------------------------
 
@@ -802,7 +680,7 @@ class Store:
         """A private mapping of the shard a get reply names (its lease ends with the mapping)."""
         path, nbytes = reply["path"], int(reply["nbytes"])
         try:
-            mm = shm.map_private(self._here(path), max(nbytes, 1))
+            mm = shm.map_private(self._maps.here(path), max(nbytes, 1))
         finally:
             if reply.get("temp"):
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
@@ -857,9 +735,9 @@ class Store:
         """The shard a get reply names, mapped and registered for device copies."""
         path, size = reply["path"], int(reply["size"])
         mf = (
-            self._map(path, size)
+            self._maps.map(path, size)
             if not reply.get("temp")
-            else shm.MappedFile(self._here(path), size)
+            else shm.MappedFile(self._maps.here(path), size)
         )
         self._device_copier().registry.ensure(mf.array)
         return reply, mf
@@ -922,13 +800,7 @@ class Store:
         self._conn.close()
         if self._registry is not None:
             self._registry.close()
-        with self._maps_lock:
-            self._maps_closed = True  # a file being mapped ahead is closed by its mapper
-            maps = list(self._maps.values()) + list(self._premaps.values())
-            self._maps.clear()
-            self._premaps.clear()
-        for mf in maps:
-            mf.close()
+        self._maps.close()
 
     def _check_open(self) -> None:
         if self._closed:

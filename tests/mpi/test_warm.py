@@ -104,7 +104,9 @@ def test_a_trainer_maps_its_next_puts_files_before_they_are_asked_for(shm_root: 
             reply = s._request({"op": "ahead", "rank": r})
             files = [(p, int(n)) for p, n in reply["files"]]
             # keep 2: the files of the next two puts, whole and mapped by the trainer
-            return not reply["making"] and len(files) >= 2 and all(s._mapped(*f) for f in files)
+            return (
+                not reply["making"] and len(files) >= 2 and all(s._maps.mapped(*f) for f in files)
+            )
 
         _until(
             "every trainer mapped its next two puts' files",
@@ -133,7 +135,7 @@ def test_a_trainer_lets_go_of_the_files_a_restarted_daemon_deleted(shm_root: Pat
         for step in (1, 2, 3):
             _put(stores, step)
         # keep 2: a rank's puts take turns in three files, which its trainer maps
-        mapped = [s._rank_maps(r) for r, s in enumerate(stores)]
+        mapped = [s._maps.rank_maps(r) for r, s in enumerate(stores)]
         assert all(len(m) == 3 for m in mapped), mapped
         first.kill()
         again = first.relaunch()
@@ -143,10 +145,10 @@ def test_a_trainer_lets_go_of_the_files_a_restarted_daemon_deleted(shm_root: Pat
             assert not any(Path(p).exists() for p in m)  # all deleted (step 1's at adoption)
         _until(
             "every trainer let go of its deleted files",
-            lambda: all(not (mapped[r] & s._rank_maps(r)) for r, s in enumerate(stores)),
+            lambda: all(not (mapped[r] & s._maps.rank_maps(r)) for r, s in enumerate(stores)),
         )
         for r, s in enumerate(stores):
-            assert s._rank_maps(r)  # the files of the steps put since, still mapped
+            assert s._maps.rank_maps(r)  # the files of the steps put since, still mapped
             assert_same(s.get(7), make_state(r, 7, nbytes=NBYTES))
     finally:
         close_all(stores)
@@ -202,21 +204,21 @@ def test_trainers_map_their_reserve_files_before_their_first_put(shm_root: Path)
     the first put finds its file (a renamed reserve file) mapped. A shard larger than every
     reserve file grows one: the mapping made before is too short, and the put maps it anew."""
     big = 120 << 20  # rank 0's shard: more than the largest reserve file (96 MiB of 192)
-    with _cluster(shm_root, ["--reserve", "192M", "--keep", "1"]) as cluster:
-        with _stores(cluster) as stores:
-            _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
-            _until("the reserve mapped", lambda: all(len(s._premaps) == 5 for s in stores))
-            handles = [
-                s.put(1, make_state(r, 1, nbytes=big if r == 0 else NBYTES))
-                for r, s in enumerate(stores)
-            ]
-            assert all(h.wait(60) == 1 for h in handles)
-            assert [h.first_map for h in handles] == [True, False, False, False]
-            for r, s in enumerate(stores):
-                assert_same(s.get(1), make_state(r, 1, nbytes=big if r == 0 else NBYTES))
-                assert s.info()["stats"]["pool_fresh_bytes"] < big  # from the reserve
-            # the rest is let go once the files of the next puts are mapped
-            _until("the reserve let go", lambda: not any(s._premaps for s in stores))
+    reserve = ["--reserve", "192M", "--keep", "1"]
+    with _cluster(shm_root, reserve) as cluster, _stores(cluster) as stores:
+        _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
+        _until("the reserve mapped", lambda: all(len(s._maps.premaps) == 5 for s in stores))
+        handles = [
+            s.put(1, make_state(r, 1, nbytes=big if r == 0 else NBYTES))
+            for r, s in enumerate(stores)
+        ]
+        assert all(h.wait(60) == 1 for h in handles)
+        assert [h.first_map for h in handles] == [True, False, False, False]
+        for r, s in enumerate(stores):
+            assert_same(s.get(1), make_state(r, 1, nbytes=big if r == 0 else NBYTES))
+            assert s.info()["stats"]["pool_fresh_bytes"] < big  # from the reserve
+        # the rest is let go once the files of the next puts are mapped
+        _until("the reserve let go", lambda: not any(s._maps.premaps for s in stores))
 
 
 def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path) -> None:
