@@ -15,11 +15,13 @@ Each rank puts only its own shard; a step becomes protected (visible to ``get``,
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,24 +299,33 @@ class Store:
         while the reserve is being made, until this Store's first put. Mappings no put took
         are let go once the rank's files made ahead are mapped (:meth:`_ahead`) or the Store
         closes: till then they keep the pages of a reserve file the daemon dropped."""
+        self._aside(self._premap_on)
+
+    def _premap_on(self, conn: control.Connection) -> None:
+        request = {"op": "premap", "rank": self.rank, "world_size": self.world_size}
+        while not self._closed and self._last_put is None:
+            reply = self._request(request, conn)
+            for path, size in reply["files"]:
+                if not self._maps.premap(path, int(size)):
+                    return  # closed
+            if not reply["making"]:
+                return
+            time.sleep(AHEAD_POLL)
+
+    def _aside(self, body: Callable[[control.Connection], None]) -> None:
+        """Run a mapping thread's ``body`` on a connection of its own, which :meth:`close`
+        shuts. No daemon now, the daemon going or the Store closing ends it quietly: the puts
+        map their own files."""
         try:
             conn = self._open()
         except StorageError:
-            return  # no daemon now: the puts map their own files
+            return
         with self._lock:
-            self._waiters.add(conn)  # close() shuts it
+            self._waiters.add(conn)
         try:
-            request = {"op": "premap", "rank": self.rank, "world_size": self.world_size}
-            while not self._closed and self._last_put is None:
-                reply = self._request(request, conn)
-                for path, size in reply["files"]:
-                    if not self._maps.premap(path, int(size)):
-                        return  # closed
-                if not reply["making"]:
-                    return
-                time.sleep(AHEAD_POLL)
+            body(conn)
         except (StorageError, OSError, ProtocolError):
-            pass  # closed, or the daemon went: the puts map their own files
+            pass
         finally:
             with self._lock:
                 self._waiters.discard(conn)
@@ -351,45 +362,37 @@ class Store:
 
     def _ahead(self, rank: int) -> None:
         try:
-            conn = self._open()
-        except StorageError:
-            return  # no daemon now: the puts map their own files
-        with self._lock:
-            self._waiters.add(conn)  # close() shuts it
-        try:
-            deadline = time.monotonic() + AHEAD_FOR
-            failed: set[str] = set()  # listed, but could not be mapped: not tried again
-            while not self._closed and time.monotonic() < deadline:
-                # mapped before asking: a file a put maps meanwhile may be newer than the reply
-                before = self._maps.rank_maps(rank)
-                reply = self._request({"op": "ahead", "rank": rank}, conn)
-                held = {self._maps.here(p) for p in reply["held"]}
-                self._maps.unmap(before - held)  # deleted by the daemon
-                new = [
-                    (p, int(n))
-                    for p, n in reply["files"]
-                    if p not in failed and not self._maps.mapped(p, int(n))
-                ]
-                for path, size in new:
-                    try:
-                        self._maps.map(path, size)
-                    except (OSError, ValueError):
-                        failed.add(path)  # dropped since, or unmappable: a put maps its own
-                if new:
-                    continue
-                if reply["making"]:
-                    time.sleep(AHEAD_POLL)
-                elif {self._maps.here(p) for p in reply["adopted"]} & self._maps.rank_maps(rank):
-                    time.sleep(AHEAD_ADOPTED)
-                else:
-                    return
-        except (StorageError, OSError, ProtocolError):
-            pass  # closed, or the daemon went: the puts map their own files
+            self._aside(functools.partial(self._ahead_on, rank))
         finally:
-            with self._lock:
-                self._waiters.discard(conn)
-            conn.close()
             self._maps.drop_premaps()
+
+    def _ahead_on(self, rank: int, conn: control.Connection) -> None:
+        deadline = time.monotonic() + AHEAD_FOR
+        failed: set[str] = set()  # listed, but could not be mapped: not tried again
+        while not self._closed and time.monotonic() < deadline:
+            # mapped before asking: a file a put maps meanwhile may be newer than the reply
+            before = self._maps.rank_maps(rank)
+            reply = self._request({"op": "ahead", "rank": rank}, conn)
+            held = {self._maps.here(p) for p in reply["held"]}
+            self._maps.unmap(before - held)  # deleted by the daemon
+            new = [
+                (p, int(n))
+                for p, n in reply["files"]
+                if p not in failed and not self._maps.mapped(p, int(n))
+            ]
+            for path, size in new:
+                try:
+                    self._maps.map(path, size)
+                except (OSError, ValueError):
+                    failed.add(path)  # dropped since, or unmappable: a put maps its own
+            if new:
+                continue
+            if reply["making"]:
+                time.sleep(AHEAD_POLL)
+            elif {self._maps.here(p) for p in reply["adopted"]} & self._maps.rank_maps(rank):
+                time.sleep(AHEAD_ADOPTED)
+            else:
+                return
 
     # -- the public calls -------------------------------------------------------------------------
 

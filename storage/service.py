@@ -285,6 +285,8 @@ class Service:
         spread evenly over the hosts), and whether the reserve is still being made (``making``).
         """
         h = self.host
+        if msg["rank"] >= msg["world_size"]:
+            raise StorageError(f"rank {msg['rank']} is not below world_size {msg['world_size']}")
         per_host = -(-msg["world_size"] // len(h.hosts))
         bufs = h.pool.claim(f"r{msg['rank']}-", h.config.reserve // per_host)
         making = self.warmer is not None and self.warmer.reserving

@@ -15,9 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import storage
 from bench.harness import Cluster, assert_same, close_all, make_state
 from bench.lab import process_state, stop
+from storage.errors import StorageError
 
 HOSTS = 4
 NBYTES = 6 << 20  # per rank: a few chunks per host
@@ -208,6 +211,10 @@ def test_trainers_map_their_reserve_files_before_their_first_put(shm_root: Path)
     with _cluster(shm_root, reserve) as cluster, _stores(cluster) as stores:
         _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores)))
         _until("the reserve mapped", lambda: all(len(s._maps.premaps) == 5 for s in stores))
+        with pytest.raises(StorageError, match="rank 9 is not below world_size 4"):
+            stores[0]._request({"op": "premap", "rank": 9, "world_size": 4})
+        with pytest.raises(StorageError, match="world_size"):  # a frame that lacks it
+            stores[0]._request({"op": "premap", "rank": 0})
         handles = [
             s.put(1, make_state(r, 1, nbytes=big if r == 0 else NBYTES))
             for r, s in enumerate(stores)
