@@ -228,6 +228,30 @@ def test_trainers_map_their_reserve_files_before_their_first_put(shm_root: Path)
         _until("the reserve let go", lambda: not any(s._maps.premaps for s in stores))
 
 
+def test_ranks_sharing_a_host_claim_a_share_of_its_reserve_each(shm_root: Path) -> None:
+    """Two ranks a host: each claims at most half the reserve (96 MiB of 192: the 96 MiB file,
+    or 48 + 24 + 12 + 12), so no reserve file is mapped twice, and every first put finds its
+    file mapped."""
+    world = 2 * HOSTS
+    with _cluster(shm_root, ["--reserve", "192M", "--keep", "1"]) as cluster:
+        stores = cluster.stores(world)
+        try:
+            _until("the reserve", lambda: all(s["reserve_bytes"] for s in _stats(stores[:HOSTS])))
+            _until("the reserve mapped", lambda: all(s._maps.premaps for s in stores))
+            for host in range(HOSTS):
+                pair = [stores[host]._maps.premaps, stores[host + HOSTS]._maps.premaps]
+                assert not set(pair[0]) & set(pair[1]), pair  # rank r and r + 4 share host r
+                for maps in pair:
+                    assert sum(mf.size for mf in maps.values()) <= 96 << 20, maps
+            handles = [s.put(1, make_state(r, 1)) for r, s in enumerate(stores)]
+            assert all(h.wait(60) == 1 for h in handles)
+            assert not any(h.first_map for h in handles)
+            for r, s in enumerate(stores):
+                assert_same(s.get(1), make_state(r, 1))
+        finally:
+            close_all(stores)
+
+
 def test_a_trainer_waiting_for_its_steps_ack_holds_the_warmer_off(shm_root: Path) -> None:
     """A step protected but not yet acknowledged to its trainer is live work: the trainer hears
     of it only after one more round (every manifest written), and a warmer that takes the cores
