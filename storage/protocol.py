@@ -530,7 +530,8 @@ class RequestError(ValueError):
 
 def parse_request(msg: dict[str, Any]) -> tuple[str, Any]:
     """``(op, msg)`` with ``msg`` checked against its request type: every required key present,
-    every value of its type, ints >= 0 (``world_size`` >= 1). Raises :class:`RequestError`."""
+    every value of its type, ints >= 0 (``world_size`` >= 1), a ``rank`` below its ``world_size``.
+    Raises :class:`RequestError`."""
     op = msg.get("op")
     kind = REQUESTS.get(op) if isinstance(op, str) else None
     if kind is None:
@@ -547,6 +548,10 @@ def parse_request(msg: dict[str, Any]) -> tuple[str, Any]:
             raise RequestError(
                 f"request {op!r}: {key} must be {_describe(tp, key)}, got {msg[key]!r}"
             )
+    if "rank" in msg and "world_size" in msg and msg["rank"] >= msg["world_size"]:
+        raise RequestError(
+            f"request {op!r}: rank {msg['rank']} is not below world_size {msg['world_size']}"
+        )
     return str(op), msg
 
 

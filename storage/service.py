@@ -153,8 +153,6 @@ class Service:
         h = self.host
         h.phase("staging")
         step, rank, world, nbytes = msg["step"], msg["rank"], msg["world_size"], msg["nbytes"]
-        if rank >= world:
-            raise StorageError(f"rank {rank} is not below world_size {world}")
         with h.lock:
             rec = h.catalog.steps.get(step)
             # A rank may put an unfinished step again (a restarted trainer redoing it): its new
@@ -285,8 +283,6 @@ class Service:
         spread evenly over the hosts), and whether the reserve is still being made (``making``).
         """
         h = self.host
-        if msg["rank"] >= msg["world_size"]:
-            raise StorageError(f"rank {msg['rank']} is not below world_size {msg['world_size']}")
         per_host = -(-msg["world_size"] // len(h.hosts))
         bufs = h.pool.claim(f"r{msg['rank']}-", h.config.reserve // per_host)
         making = self.warmer is not None and self.warmer.reserving

@@ -40,6 +40,14 @@ def test_numbers_past_what_the_ballot_holds_are_refused_by_name(
     assert says in str(info.value)
 
 
+@pytest.mark.parametrize("op", ["alloc", "staged", "premap"])
+def test_a_rank_not_below_its_world_size_is_refused(op: str) -> None:
+    msg = {"step": 1, "nbytes": 64, "table": [0, 0], "buffer": "b", "meta": {}}
+    with pytest.raises(RequestError, match=rf"request '{op}': rank 4 is not below world_size 4"):
+        parse_request({**msg, "op": op, "rank": 4, "world_size": 4})
+    assert parse_request({**msg, "op": op, "rank": 3, "world_size": 4})[0] == op
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
 def test_a_timeout_must_be_a_finite_number_of_seconds(value: float) -> None:
     with pytest.raises(RequestError, match="timeout"):
