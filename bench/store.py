@@ -42,6 +42,11 @@ the floor.
 Memory, network bytes and times are reported as replication / RS. The phases run one after the
 other, not side by side, so that both daemon sets never hold memory at once.
 Results: JSON lines in ``bench/results/store.jsonl`` with medians and spreads, ratios of medians.
+
+``--root DIR`` puts the run (the daemons' shared memory, the contenders' "/dev/shm" files, the copy
+floor's buffer) under DIR instead of /dev/shm: a tmpfs mounted with ``huge=within_size``, say (the
+README's "Huge pages for shared memory"). The records carry the directory and its tmpfs's
+``huge`` option.
 """
 
 from __future__ import annotations
@@ -270,6 +275,7 @@ def run(
     repeats: int | None = None,
     chunk: int = CHUNK,
     replicas: int = 2,
+    under: Path | None = None,
 ) -> list[dict[str, Any]]:
     from transport import shm
 
@@ -278,9 +284,12 @@ def run(
     repeats = repeats or (3 if quick else 7)
     warmup = 3  # keep + 1 puts: from then on every put reuses pre-faulted buffers (steady state)
     losses = 1 if quick else 3
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    base = under or Path("/dev/shm")
+    if not base.is_dir():
+        base = Path(tempfile.gettempdir())
     root = base / f"ecsnap-bench-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o700)
+    huge = shm.huge_pages(root)
     rec = Recorder(
         "store",
         {
@@ -294,6 +303,8 @@ def run(
             "tensors": ntensors,
             "repeats": repeats,
             "chunk_bytes": chunk,
+            "root": str(base),
+            "huge_pages": huge,
         },
     )
     state = make_state(99, 0, nbytes=nbytes, tensors=ntensors)
@@ -304,7 +315,8 @@ def run(
     floor_buf = shm.create(root / "floor.buf", flatten(state)[2])  # leaves 64-byte aligned
     then = f", then {replicas}-way replication (RS(1,{replicas - 1}))" if replicas > 1 else ""
     print(
-        f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}){then}",
+        f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}){then}; "
+        f"under {base} (huge pages: {huge or 'not a tmpfs'})",
         file=sys.stderr,
     )
 
@@ -587,7 +599,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --lab: only these (rs31 rs22 repl2 rs31_star repl3)",
     )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the directory the daemons' shared memory and the contenders' files go in (default "
+        "/dev/shm); a tmpfs mounted with huge=within_size: see the README's huge pages",
+    )
     args = parser.parse_args(argv)
+    if args.root is not None and not args.root.is_dir():
+        parser.error(f"--root {args.root}: no such directory (mount a tmpfs there first)")
     if args.lab:
         from bench import lab_store
 
@@ -607,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         chunk=args.chunk_bytes,
         replicas=args.replicas,
+        under=args.root,
     )
     return 0
 

@@ -47,6 +47,7 @@ from storage.rounds import Rounds
 from storage.service import Service
 from storage.tier import Tier
 from storage.warm import Warmer
+from transport import shm
 from transport.control import Server
 from transport.mpi import single_copy_off
 
@@ -68,6 +69,19 @@ def _unlink_mpi_segments() -> None:
                 os.unlink(path)
             except OSError:
                 pass  # another local rank was first
+
+
+def _memory_kind(path: Path) -> str:
+    """What the ready line says of the memory under ``path``: huge pages or not (on a tmpfs)."""
+    huge = shm.huge_pages(path)
+    if huge is None:
+        return ""
+    if huge in ("never", "deny"):
+        return (
+            ", shared memory on a tmpfs without huge pages (transfers cost more: README, "
+            '"Huge pages for shared memory")'
+        )
+    return f", shared memory on a tmpfs with huge={huge}"
 
 
 def _write_atomic(path: Path, body: Any) -> None:
@@ -149,6 +163,7 @@ class Daemon:
             f"chunks up to {h.chunk_bytes} B, {len(h.catalog.protected())} protected step(s), "
             f"socket {h.dir / 'ctl.sock'}"
             + (f", metrics on :{self.endpoint.port}" if self.endpoint.port else "")
+            + _memory_kind(h.dir)
         )
 
     def _warn_two_copies(self) -> None:

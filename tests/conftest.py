@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +19,28 @@ def shm_root() -> Iterator[Path]:
     root.mkdir(mode=0o700)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def huge_root() -> Iterator[Path]:
+    """A fresh tmpfs mounted with ``huge=within_size`` (2 MiB pages as far as each file's size
+    allows), unmounted afterwards. Mounting needs root: without it the test fails, saying so."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs with huge pages needs root: run the tests as root")
+    point = Path(tempfile.mkdtemp(prefix="ecsnap-test-huge-"))
+    opts = "size=1g,mode=0700,huge=within_size"
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(point)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        point.rmdir()
+        pytest.fail(f"cannot mount a tmpfs with {opts}: {done.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        # lazily: a mapping still open elsewhere keeps its pages, not the mount point
+        subprocess.run(["umount", "-l", str(point)], check=True)
+        point.rmdir()
 
 
 def _mpich_segments() -> set[str]:

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MappedFile", "create", "map_private", "prefault"]
+__all__ = ["MappedFile", "create", "huge_pages", "map_private", "prefault"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -229,3 +230,37 @@ def map_private(path: str | os.PathLike[str], size: int) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def huge_pages(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The ``huge=`` option of the tmpfs that holds ``path`` (``"never"`` when it names none, the
+    default), or None where ``path`` lies on no tmpfs or the mount table cannot be read.
+
+    A tmpfs mounted ``huge=within_size`` backs each file with 2 MiB pages as far as its size
+    allows (``always``: even a small file's). MPICH's single copy between daemons reads a shard
+    from the sender's mapping; from 4 KiB pages that cost 2.5x what it costs from huge ones here
+    (README: "Huge pages for shared memory").
+    """
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best: tuple[str, str, str] | None = None  # mount point, file system type, its options
+    for line in lines:
+        # ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [TAGS...] - TYPE SOURCE SUPER-OPTIONS
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        # the deepest mount point holds it; of equal ones, the last mounted (it hides the rest)
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, tail[0], tail[2])
+    if best is None or best[1] != "tmpfs":
+        return None
+    for opt in best[2].split(","):
+        if opt.startswith("huge="):
+            return opt[len("huge=") :]
+    return "never"

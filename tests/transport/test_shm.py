@@ -111,3 +111,54 @@ def test_a_mapping_knows_when_its_path_names_another_file(shm_dir: Path) -> None
             new.close()
     finally:
         old.close()
+
+
+MOUNTS = """\
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683784k
+30 25 0:27 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1g,huge=within_size
+31 25 0:28 / /mnt/huge\\040pages rw,relatime shared:7 - tmpfs tmpfs rw,huge=always
+32 25 0:29 / /mnt/huge\\040pages/disk rw,relatime - ext4 /dev/vda rw
+33 1 0:30 / / rw,relatime - ext4 /dev/vda rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "huge"),
+    [
+        ("/dev/shm/ecsnap/job", "within_size"),  # the later of two mounts on one point
+        ("/mnt/huge pages/f", "always"),  # an escaped space; optional fields before " - "
+        ("/mnt/huge pages/disk/f", None),  # the deepest mount holds it: no tmpfs
+        ("/mnt/huge pagesX", None),  # a longer name is no path inside the mount
+        ("/work", None),
+    ],
+)
+def test_huge_pages_reads_the_option_of_the_tmpfs_holding_a_path(
+    tmp_path: Path, path: str, huge: str | None
+) -> None:
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTS)
+    assert shm.huge_pages(path, mountinfo=str(table)) == huge
+    table.write_text(MOUNTS.replace(",huge=within_size", ""))
+    if path.startswith("/dev/shm"):
+        assert shm.huge_pages(path, mountinfo=str(table)) == "never"  # tmpfs's default
+    assert shm.huge_pages(path, mountinfo=str(tmp_path / "gone")) is None
+
+
+def test_a_file_on_a_tmpfs_with_huge_pages_is_mapped_in_them(
+    huge_root: Path, shm_dir: Path
+) -> None:
+    """The mount's option reads back, and a file made there is mapped in 2 MiB page-table
+    entries, every byte of it; the same file in /dev/shm (which this machine mounts without huge
+    pages) in none."""
+    from tests._memory import mapped_kib
+
+    assert shm.huge_pages(huge_root / "f") == "within_size"
+    for d in (huge_root, shm_dir):
+        with shm.create(d / "f", 8 * MIB) as mf:
+            mf.array[:] = 7
+            assert mapped_kib(d, "Rss") == 8 * 1024
+            pmd = mapped_kib(d, "ShmemPmdMapped")
+            if d == huge_root:
+                assert pmd == 8 * 1024
+            elif shm.huge_pages(d) == "never":
+                assert pmd == 0
