@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -202,6 +204,33 @@ def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
     """The share of the cores' time stolen between two :func:`cpu_ticks` (0 when unknown)."""
     total = after[1] - before[1]
     return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def add_root_option(parser: argparse.ArgumentParser) -> None:
+    """``--root DIR``: where a benchmark's shared memory goes instead of /dev/shm."""
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="the directory the daemons' shared memory and the run's other files go in (default "
+        "/dev/shm); a tmpfs mounted with huge=within_size: see the README's huge pages",
+    )
+
+
+def run_dir(under: Path | None, name: str) -> tuple[Path, str | None]:
+    """A fresh 0700 directory ``name-<random>`` for one run under ``under`` (default /dev/shm, or
+    the temporary directory where there is none), and the ``huge`` option of the tmpfs it is
+    on (:func:`transport.shm.huge_pages`). Refuses an ``under`` that does not exist."""
+    from transport import shm
+
+    if under is not None and not under.is_dir():
+        raise SystemExit(f"--root {under}: no such directory (mount a tmpfs there first)")
+    base = under or Path("/dev/shm")
+    if not base.is_dir():
+        base = Path(tempfile.gettempdir())
+    root = base / f"{name}-{uuid.uuid4().hex[:8]}"
+    root.mkdir(mode=0o700)
+    return root, shm.huge_pages(root)
 
 
 def exit_on_sigterm() -> None:

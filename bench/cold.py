@@ -34,13 +34,12 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench._common import Recorder, exit_on_sigterm, table
+from bench._common import Recorder, add_root_option, exit_on_sigterm, run_dir, table
 from bench._ranks import Workers
 from bench.harness import Cluster
 from transport import shm
@@ -162,6 +161,7 @@ def run(
     puts: int = 8,
     gap: float = 3.0,
     trials: int | None = None,
+    under: Path | None = None,
 ) -> list[dict[str, Any]]:
     nbytes = nbytes or ((256 << 20) if quick else 1_500_000_000)
     # three: the median of two is their mean, which one slow trial moves as far as it likes
@@ -169,9 +169,7 @@ def run(
     ntensors = 200
     shard = nbytes // HOSTS
     reserve = (KEEP + 1) * (shard + -(-shard * M // K)) + (64 << 20)  # tables, rounding
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    root = base / f"ecsnap-bench-cold-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o700)
+    root, huge = run_dir(under, "ecsnap-bench-cold")
     params = {
         "quick": quick,
         "state_bytes": nbytes,
@@ -183,11 +181,14 @@ def run(
         "gap_s": gap,
         "reserve_bytes": reserve,
         "trials": trials,
+        "root": str(root.parent),
+        "huge_pages": huge,
     }
     rec = Recorder("cold", params)
     print(
         f"cold start: {nbytes / 1e9:.2f} GB over {HOSTS} hosts, RS({K},{M}), keep {KEEP}, "
-        f"{puts} puts {gap:.1f}s apart, --reserve {reserve / 1e9:.2f} GB per host",
+        f"{puts} puts {gap:.1f}s apart, --reserve {reserve / 1e9:.2f} GB per host; under "
+        f"{root.parent} (huge pages: {huge or 'not a tmpfs'})",
         file=sys.stderr,
     )
     try:
@@ -323,10 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="trials of each phase (default 3; the ratios are their medians)",
     )
+    add_root_option(parser)
     args = parser.parse_args(argv)
     if args.puts < 6:
         parser.error("--puts must be at least 6 (the last four are steady state)")
-    run(quick=args.quick, nbytes=args.bytes, puts=args.puts, gap=args.gap, trials=args.trials)
+    run(
+        quick=args.quick,
+        nbytes=args.bytes,
+        puts=args.puts,
+        gap=args.gap,
+        trials=args.trials,
+        under=args.root,
+    )
     return 0
 
 

@@ -56,16 +56,22 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench import baselines
-from bench._common import Recorder, add_put_cpu, exit_on_sigterm, record_cpu, table
+from bench._common import (
+    Recorder,
+    add_put_cpu,
+    add_root_option,
+    exit_on_sigterm,
+    record_cpu,
+    run_dir,
+    table,
+)
 from bench._ranks import Workers, run_fresh
 from bench.harness import Cluster, make_state, nbytes_of
 from storage.config import CHUNK_BYTES as CHUNK
@@ -284,12 +290,7 @@ def run(
     repeats = repeats or (3 if quick else 7)
     warmup = 3  # keep + 1 puts: from then on every put reuses pre-faulted buffers (steady state)
     losses = 1 if quick else 3
-    base = under or Path("/dev/shm")
-    if not base.is_dir():
-        base = Path(tempfile.gettempdir())
-    root = base / f"ecsnap-bench-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o700)
-    huge = shm.huge_pages(root)
+    root, huge = run_dir(under, "ecsnap-bench")
     rec = Recorder(
         "store",
         {
@@ -303,7 +304,7 @@ def run(
             "tensors": ntensors,
             "repeats": repeats,
             "chunk_bytes": chunk,
-            "root": str(base),
+            "root": str(root.parent),
             "huge_pages": huge,
         },
     )
@@ -316,7 +317,7 @@ def run(
     then = f", then {replicas}-way replication (RS(1,{replicas - 1}))" if replicas > 1 else ""
     print(
         f"state: {actual / 1e9:.2f} GB in {len(state)} tensors, {HOSTS} hosts, RS({k},{m}){then}; "
-        f"under {base} (huge pages: {huge or 'not a tmpfs'})",
+        f"under {root.parent} (huge pages: {huge or 'not a tmpfs'})",
         file=sys.stderr,
     )
 
@@ -599,16 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --lab: only these (rs31 rs22 repl2 rs31_star repl3)",
     )
-    parser.add_argument(
-        "--root",
-        type=Path,
-        default=None,
-        help="the directory the daemons' shared memory and the contenders' files go in (default "
-        "/dev/shm); a tmpfs mounted with huge=within_size: see the README's huge pages",
-    )
+    add_root_option(parser)
     args = parser.parse_args(argv)
-    if args.root is not None and not args.root.is_dir():
-        parser.error(f"--root {args.root}: no such directory (mount a tmpfs there first)")
     if args.lab:
         from bench import lab_store
 

@@ -31,12 +31,11 @@ import shutil
 import statistics
 import sys
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-from bench._common import Recorder, exit_on_sigterm, table
+from bench._common import Recorder, add_root_option, exit_on_sigterm, run_dir, table
 from bench.harness import Cluster, close_all, gloo_ranks
 
 WORLD = 4
@@ -134,7 +133,12 @@ def daemons_cpu(daemons: Cluster) -> float:
         close_all(stores)
 
 
-def run(quick: bool = False, repeats: int | None = None, steps: int | None = None) -> None:
+def run(
+    quick: bool = False,
+    repeats: int | None = None,
+    steps: int | None = None,
+    under: Path | None = None,
+) -> None:
     from bench._common import summarize
 
     repeats = repeats or (2 if quick else 5)
@@ -142,8 +146,7 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
     warmup = 5
     model_size = "small" if quick else "medium"
     modes = ["none", "ecsnap/1", "dcp/1", "ecsnap/10", "dcp/10"]
-    root = Path("/dev/shm") / f"ecsnap-train-{uuid.uuid4().hex[:8]}"
-    root.mkdir(mode=0o700)
+    root, huge = run_dir(under, "ecsnap-train")
     job = "train"
     rec = Recorder(
         "train",
@@ -157,6 +160,8 @@ def run(quick: bool = False, repeats: int | None = None, steps: int | None = Non
             "warmup": warmup,
             "repeats": repeats,
             "model_size": model_size,
+            "root": str(root.parent),
+            "huge_pages": huge,
         },
     )
     daemons = Cluster(root, hosts=WORLD, k=3, m=1, job=job, log=root / "daemons.log")
@@ -268,11 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    add_root_option(p)
     a = p.parse_args(argv)
     if a.worker:
         worker(json.loads(a.worker))
         return 0
-    run(quick=a.quick, repeats=a.repeats, steps=a.steps)
+    run(quick=a.quick, repeats=a.repeats, steps=a.steps, under=a.root)
     return 0
 
 
