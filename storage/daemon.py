@@ -76,12 +76,13 @@ def _memory_kind(path: Path) -> str:
     huge = shm.huge_pages(path)
     if huge is None:
         return ""
-    if huge in ("never", "deny"):
-        return (
-            ", shared memory on a tmpfs without huge pages (transfers cost more: README, "
-            '"Huge pages for shared memory")'
-        )
-    return f", shared memory on a tmpfs with huge={huge}"
+    if huge in ("always", "within_size"):
+        return f", shared memory on a tmpfs with huge={huge}"
+    # never, or advise: huge pages only where a mapping asks for them, which ours do not
+    return (
+        f", shared memory on a tmpfs without huge pages (huge={huge}; transfers cost more: "
+        'README, "Huge pages for shared memory")'
+    )
 
 
 def _write_atomic(path: Path, body: Any) -> None:
