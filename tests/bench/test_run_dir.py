@@ -26,5 +26,5 @@ def test_a_run_goes_under_its_root_and_says_what_memory_that_is(huge_root: Path)
 
 
 def test_a_root_that_is_not_there_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="--root .*gone: no such directory"):
+    with pytest.raises(SystemExit, match=r"--root .*gone: no such directory"):
         run_dir(tmp_path / "gone", "ecsnap-test")
