@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._memory import mapped_kib
 from transport import shm
 
 MIB = 1 << 20
@@ -22,14 +23,7 @@ def shm_dir() -> Iterator[Path]:
 
 def _resident(path: Path) -> int:
     """Bytes of ``path``'s mapping in this process that have page-table entries (smaps Rss)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            inside = line.rstrip().endswith(str(path))
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total
+    return mapped_kib(path, "Rss") * 1024
 
 
 def _pages(nbytes: int) -> int:
@@ -150,8 +144,6 @@ def test_a_file_on_a_tmpfs_with_huge_pages_is_mapped_in_them(
     """The mount's option reads back, and a file made there is mapped in 2 MiB page-table
     entries, every byte of it; the same file in /dev/shm (which this machine mounts without huge
     pages) in none."""
-    from tests._memory import mapped_kib
-
     assert shm.huge_pages(huge_root / "f") == "within_size"
     for d in (huge_root, shm_dir):
         with shm.create(d / "f", 8 * MIB) as mf:
