@@ -688,7 +688,8 @@ class Store:
             if reply.get("temp"):
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
         if not reply.get("temp"):
-            weakref.finalize(mm, self._unleases.append, reply["buffer"])
+            # the lease ends when the mapping goes: with its last view (torch, numpy, memoryview)
+            weakref.finalize(shm.mapping_owner(mm), self._unleases.append, reply["buffer"])
         return mm
 
     def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:

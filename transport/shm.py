@@ -4,6 +4,13 @@ The daemon creates and owns every file (mode 0600 inside a 0700 directory); trai
 files their daemon names. A new buffer is pre-faulted once by the daemon (first touch of a
 /dev/shm page costs ~8x a later write) and then reused across steps, so the trainer's copy runs at
 memory speed.
+
+A mapping holds no file descriptor. Before Python 3.13 ``mmap.mmap`` keeps a duplicate of the
+descriptor it was given for the mapping's whole life (``trackfd=False`` exists from 3.13 on), so a
+daemon that keeps 1,000 steps held 1,000+ descriptors and ran out of them under the common soft
+limit of 1,024. Here a mapping is made with ``trackfd=False`` where the interpreter has it, else
+by ``mmap(2)`` itself through libc; either way the descriptor is closed as soon as the mapping
+exists, and the mapping lives until the last view of it is gone (:func:`map_file`).
 """
 
 from __future__ import annotations
@@ -16,13 +23,23 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MappedFile", "create", "huge_pages", "map_private", "prefault"]
+__all__ = [
+    "MappedFile",
+    "create",
+    "huge_pages",
+    "map_file",
+    "map_private",
+    "mapping_owner",
+    "prefault",
+]
 
 _PAGE = mmap.PAGESIZE
 
@@ -44,6 +61,74 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _populate_works = sys.platform.startswith("linux")  # False once the kernel refused it
+
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# Python 3.13+: mmap.mmap(..., trackfd=False) keeps no duplicate of the descriptor
+_TRACKFD = sys.version_info >= (3, 13)
+
+
+class _Region:
+    """One ``mmap(2)`` region of ``size`` bytes at ``addr``, unmapped when this object dies.
+
+    numpy arrays made from it (``np.asarray``) and every view of those keep it alive as their
+    ``base`` (numpy sets a view's base to the first owner that is not an array), and so do
+    memoryviews and torch tensors made from such arrays: the region is unmapped exactly when
+    the last of them is gone, never under a live view.
+    """
+
+    __slots__ = ("__array_interface__", "__weakref__", "_unmap")
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.__array_interface__ = {
+            "data": (addr, False),
+            "shape": (size,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+        self._unmap = weakref.finalize(self, _libc.munmap, addr, size)
+
+
+def map_file(fd: int, size: int, *, private: bool = False, populate: bool = False) -> Any:
+    """Map ``size`` (> 0) bytes of the open file ``fd`` read-write: shared, or copy-on-write
+    (``private``); ``populate`` maps every page in now (``MAP_POPULATE``). Returns a flat uint8
+    numpy array over the mapping, which holds no descriptor: the caller may close ``fd`` at once.
+
+    The mapping lives as long as the array or any view of it (numpy, memoryview, torch): its
+    owner is :func:`mapping_owner` of the array. Raises ``OSError`` as ``mmap(2)`` fails.
+    """
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    if populate and hasattr(mmap, "MAP_POPULATE"):
+        flags |= mmap.MAP_POPULATE
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    if _TRACKFD:
+        m = mmap.mmap(fd, size, flags=flags, prot=prot, trackfd=False)  # type: ignore[call-arg]
+        return np.frombuffer(m, dtype=np.uint8)
+    addr = _libc.mmap(None, size, prot, flags, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+    return np.asarray(_Region(addr, size))
+
+
+def mapping_owner(array: Any) -> Any:
+    """The object that owns the mapping under an array :func:`map_file` returned (or a view of
+    it): the mapping lives while this object does, so a finalizer on it runs once the last view
+    is gone."""
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base
 
 
 def prefault(
@@ -115,10 +200,11 @@ def _populate(view: npt.NDArray[np.uint8]) -> bool:
 
 
 class MappedFile:
-    """A file mapped read-write with a flat uint8 numpy view ``array``.
+    """A file mapped read-write with a flat uint8 numpy view ``array``; it holds no descriptor.
 
-    ``close()`` unmaps; numpy views handed out keep the mapping alive until they die, so closing
-    is safe even while readers hold views (the kernel frees the pages when the last map goes).
+    ``close()`` lets go of the mapping: it is unmapped then, or, while views handed out live
+    (numpy, memoryview, torch), when the last of them dies; so closing is safe even while
+    readers hold views (the kernel frees the pages when the last map goes).
     """
 
     def __init__(
@@ -133,18 +219,13 @@ class MappedFile:
             self.size = actual if size is None else size
             if self.size > actual:
                 raise ValueError(f"{self.path} holds {actual} bytes, {self.size} expected")
-            flags = mmap.MAP_SHARED
-            if populate and hasattr(mmap, "MAP_POPULATE"):
-                flags |= mmap.MAP_POPULATE
-            self._mmap: mmap.mmap | None = (
-                mmap.mmap(fd, self.size, flags=flags) if self.size else None
+            self.array: npt.NDArray[np.uint8] = (
+                map_file(fd, self.size, populate=populate)
+                if self.size
+                else np.zeros(0, dtype=np.uint8)
             )
         finally:
             os.close(fd)
-        if self._mmap is not None:
-            self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
-        else:
-            self.array = np.zeros(0, dtype=np.uint8)
         self._lock = threading.Lock()
 
     @property
@@ -175,13 +256,7 @@ class MappedFile:
 
     def close(self) -> None:
         with self._lock:
-            m, self._mmap = self._mmap, None
-        self.array = np.zeros(0, dtype=np.uint8)
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:
-                pass  # views still exported: the mapping lives until they are gone
+            self.array = np.zeros(0, dtype=np.uint8)  # the mapping goes with its last view
 
     def __enter__(self) -> MappedFile:
         return self
@@ -217,17 +292,19 @@ def create(
     return mf
 
 
-def map_private(path: str | os.PathLike[str], size: int) -> mmap.mmap:
-    """A copy-on-write mapping of ``path``: reads share the file's pages, writes stay private.
+def map_private(path: str | os.PathLike[str], size: int) -> npt.NDArray[np.uint8]:
+    """A copy-on-write mapping of ``path`` (a flat uint8 array): reads share the file's pages,
+    writes stay private.
 
-    The mapping outlives the file's name (unlink is safe) and lives while anything exports it.
-    Pages are mapped on first touch (populating a private writable mapping would copy them all).
+    The mapping outlives the file's name (unlink is safe) and lives while the array or any view
+    of it does (:func:`mapping_owner`); it holds no descriptor. Pages are mapped on first touch
+    (populating a private writable mapping would copy them all).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < size:
             raise ValueError(f"{path} holds fewer than {size} bytes")
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return map_file(fd, size, private=True)  # type: ignore[no-any-return]
     finally:
         os.close(fd)
 

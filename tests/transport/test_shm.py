@@ -154,3 +154,78 @@ def test_a_file_on_a_tmpfs_with_huge_pages_is_mapped_in_them(
                 assert pmd == 8 * 1024
             elif shm.huge_pages(d) == "never":
                 assert pmd == 0
+
+
+def _fds() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+def _mappings(directory: Path) -> int:
+    """Lines of /proc/self/maps that name a file under ``directory``."""
+    return sum(
+        1 for line in Path("/proc/self/maps").read_text().splitlines() if str(directory) in line
+    )
+
+
+def test_mappings_hold_no_descriptor(shm_dir: Path) -> None:
+    """300 files mapped (shared, and copy-on-write) cost no descriptor: before, mmap.mmap kept
+    a duplicate of each for the mapping's life, and a daemon keeping many steps ran out."""
+    before = _fds()
+    files = [shm.create(shm_dir / f"f{i}", 4096 * (i % 7 + 1)) for i in range(300)]
+    private = [shm.map_private(shm_dir / f"f{i}", 4096) for i in range(300)]
+    try:
+        assert _mappings(shm_dir) == 600
+        assert _fds() == before
+    finally:
+        for f in files:
+            f.close()
+        del private
+    assert _mappings(shm_dir) == 0
+
+
+def test_a_closed_mapping_lives_while_a_view_does(shm_dir: Path) -> None:
+    """close() unmaps once no view is left; a numpy view, a memoryview or a torch tensor made
+    before keeps the pages (and reads the file's bytes) until it goes."""
+    import torch
+
+    f = shm.create(shm_dir / "f", 3 * mmap.PAGESIZE)
+    f.array[:] = 7
+    view = f.array[10:20]
+    mv = memoryview(f.array)[5:9]
+    t = torch.frombuffer(f.array, dtype=torch.uint8, count=4, offset=100)
+    f.close()
+    assert f.array.size == 0 and _mappings(shm_dir) == 1
+    assert int(view.sum()) == 70 and bytes(mv) == b"\x07" * 4 and int(t.sum()) == 28
+    del view, mv
+    assert _mappings(shm_dir) == 1  # the tensor still holds it
+    del t
+    assert _mappings(shm_dir) == 0
+
+    g = shm.create(shm_dir / "g", mmap.PAGESIZE)
+    g.close()
+    assert _mappings(shm_dir) == 0  # no view: unmapped at close
+
+
+def test_the_owner_of_a_private_mapping_lives_as_long_as_its_views(shm_dir: Path) -> None:
+    """The client ends a read's lease when the mapping's owner dies: not before the last tensor
+    made from it, whatever views came between."""
+    import weakref
+
+    import torch
+
+    f = shm.create(shm_dir / "f", mmap.PAGESIZE)
+    f.array[:] = 3
+    a = shm.map_private(shm_dir / "f", mmap.PAGESIZE)
+    ended: list[int] = []
+    weakref.finalize(shm.mapping_owner(a), ended.append, 1)
+    t = torch.frombuffer(a, dtype=torch.uint8, count=8, offset=64).view(torch.int64)
+    n = a[100:200].reshape(10, 10)
+    del a
+    assert not ended
+    n[0, 0] = 9  # copy-on-write: the file keeps its bytes
+    assert int(f.array[100]) == 3 and int(n[0, 0]) == 9
+    del n
+    assert not ended and int(t.item()) == int.from_bytes(b"\x03" * 8, "little")
+    del t
+    assert ended == [1]
+    f.close()
