@@ -103,6 +103,15 @@ class Pool:
                 if n.startswith(prefix) and _fits_size(size, b.size)
             )
 
+    def free_count(self, prefix: str, size: int) -> int:
+        """Free files of ``prefix`` of about ``size`` bytes (whole or being made ahead)."""
+        with self.lock:
+            return sum(
+                1
+                for n in self.free | self.advancing
+                if n.startswith(prefix) and _fits_size(size, self.files[n].size)
+            )
+
     def made(self, prefix: str) -> list[Buffer]:
         """The free files of ``prefix`` that are whole (none partial, none adopted): what the next
         takes of ``prefix`` will be given, for a trainer to map ahead; the smallest first (a take
@@ -557,6 +566,39 @@ class Pool:
         with self.lock:
             if name in self.files:
                 self._drop(name)
+
+    def ahead(self) -> int:
+        """Bytes of free files made ahead of need or freed by retention, waiting for a take:
+        every free file but reserve ones (``--reserve``, bounded by itself)."""
+        with self.lock:
+            return sum(self.files[n].size for n in self.free if not n.startswith(RESERVE))
+
+    def trim(self, wanted: dict[str, int], bound: int) -> int:
+        """Drop free files (not reserve ones) that no take of ``wanted`` (prefix -> size) would
+        be given, the largest first, while the free files add up to more than ``bound`` bytes:
+        sizes a state no longer has are let go rather than kept for good. Returns the bytes
+        dropped. A file being faulted in by the warmer is left alone."""
+        dropped = 0
+        with self.lock:
+            free = sum(self.files[n].size for n in self.free if not n.startswith(RESERVE))
+            stale = [
+                n
+                for n in self.free
+                if not n.startswith(RESERVE)
+                and n not in self.advancing
+                and not any(
+                    n.startswith(p) and _fits_size(size, self.files[n].size)
+                    for p, size in wanted.items()
+                )
+            ]
+            for name in sorted(stale, key=lambda n: (-self.files[n].size, n)):
+                if free <= bound:
+                    break
+                size = self.files[name].size
+                self._drop(name)
+                free -= size
+                dropped += size
+        return dropped
 
     def sweep(self, keep: set[str]) -> list[str]:
         """Delete files under data/ and parity/ that are not in the pool nor in ``keep``."""

@@ -8,9 +8,10 @@ thread of its own, one 8 MiB piece at a time and only while the host is idle (no
 staged, no step staging, ready or encoding, no trainer waiting to hear its step is protected:
 live work always goes first):
 
-- once a step has shards here (staged, or adopted after a restart), ``keep + 1`` files of each
-  of their ranks' shard sizes, and as many of the host's parity size once the step is laid out:
-  what steady state holds;
+- once a step has shards here (staged, or adopted after a restart), up to :data:`AHEAD` free
+  files of each of their ranks' shard sizes, and of the host's parity size once the step is laid
+  out (never more than the ``keep + 1`` of a size that steady state holds); free files of sizes
+  no longer wanted are dropped past that bound (:meth:`storage.pool.Pool.trim`);
 - ``--reserve BYTES``, made at start while nothing is known: reserve files of sizes halving from
   BYTES/2 down to 8 MiB, which :meth:`storage.pool.Pool.take` turns into the files it needs
   (renamed and grown, or cut here later: only the difference in size is faulted in then). A
@@ -37,6 +38,14 @@ from storage.pool import RESERVE, Buffer
 __all__ = ["Warmer", "reserve_sizes"]
 
 _MIN_RESERVE = 8 << 20
+# Free files of each wanted size made ahead: the next two puts'. Steady state holds keep + 1
+# files of a size (the kept steps and the one being put), and retention frees one for each put;
+# only the first puts after a start, or after a size changed, find none, and making every one of
+# the keep + 1 files ahead held the files of a thousand future puts at --keep 1000 (4,927 files,
+# 13.8 GB for 80 MB of steps). So the warmer keeps AHEAD free files of each wanted size and makes
+# no more, and free files of sizes no longer wanted are dropped once the free files add up to
+# more than AHEAD times the wanted sizes (:meth:`Warmer.bound`).
+AHEAD = 2
 _LIVE = (StepState.STAGING, StepState.READY, StepState.ENCODING)
 
 
@@ -105,12 +114,25 @@ class Warmer:
         with pool.lock:
             if any(n.startswith(prefix) for n in pool.partial):
                 return True
-        return pool.count(prefix, size) < self.target and self._fits(size)
+        return not self.enough(prefix, size) and self._fits(size)
 
     @property
     def target(self) -> int:
-        """Files of each wanted size: the kept steps and the one being put."""
+        """Files of each wanted size at most, in use or free: the kept steps and the one being
+        put."""
         return self.host.config.keep + 1
+
+    def enough(self, prefix: str, size: int) -> bool:
+        """Whether no more files of ``prefix`` at ``size`` are to be made ahead: :attr:`target`
+        exist, or :data:`AHEAD` of them are free."""
+        pool = self.host.pool
+        return pool.count(prefix, size) >= self.target or pool.free_count(prefix, size) >= AHEAD
+
+    def bound(self, want: dict[str, int] | None = None) -> int:
+        """Bytes of free files (reserve ones aside) kept for the next puts: :data:`AHEAD` files
+        of each wanted size. Free files of other sizes past it are dropped."""
+        want = self.want if want is None else want
+        return AHEAD * sum(want.values())
 
     def _fits(self, size: int) -> bool:
         return self.host.pool.fits(size) and self._room(size)
@@ -178,6 +200,7 @@ class Warmer:
                 if h.pool.uncut and self._pause():
                     h.pool.cut()  # the tails of reserve files the first puts took
                 self.learn()
+                h.pool.trim(self.want, self.bound())
                 if not self._make_wanted():
                     with h.cond:
                         h.cond.wait(0.5)  # notified every round
@@ -214,10 +237,10 @@ class Warmer:
         # the fewest first: the next put's files before the one after's; at equal counts
         # shard buffers before parity (a put stages its shards first, parity is taken once
         # every shard of the step is staged)
-        for have, _, prefix, size in sorted(
-            (pool.count(p, n), p == "p", p, n) for p, n in self.want.items()
+        for _, _, prefix, size in sorted(
+            (pool.free_count(p, n), p == "p", p, n) for p, n in self.want.items()
         ):
-            if have >= self.target:
+            if self.enough(prefix, size):
                 with pool.lock:
                     unfinished = [n for n in pool.partial if n.startswith(prefix)]
                 if unfinished:  # paused by live work before: go on with it

@@ -263,3 +263,26 @@ def test_a_rank_claims_its_share_of_the_reserve_and_its_takes_prefer_it(host_dir
     assert pool.claims == {mid.name: "r0-"}
     pool.drop(mid.name)  # dropped to make room: no claim outlives its file
     assert pool.claims == {} and pool.claim("r0-", 6 << 20) == []
+
+
+def test_trim_drops_free_files_of_sizes_no_longer_wanted_past_the_bound(host_dir: Path) -> None:
+    """Free files of old sizes are dropped, the largest first, until the free files fit the
+    bound; files of wanted sizes, files in use and reserve files stay."""
+    pool = Pool(host_dir, budget=None)
+    old = [pool.take(n << 20, "r0-") for n in (1, 2, 3)]
+    wanted = pool.take(4 << 20, "r0-")
+    used = pool.take(5 << 20, "r0-")
+    reserve = pool.make(6 << 20, RESERVE, lambda: True)
+    assert reserve is not None
+    for b in (*old, wanted):
+        pool.release(b.name)
+    assert pool.ahead() == 10 << 20  # 1 + 2 + 3 + 4 MiB free; the reserve file aside
+    want = {"r0-": 4 << 20}
+    assert pool.free_count("r0-", 4 << 20) == 1
+    assert pool.trim(want, bound=5 << 20) == 5 << 20  # 3 then 2 MiB: 5 MiB left free
+    names = set(pool.files)
+    assert old[0].name in names and {old[1].name, old[2].name}.isdisjoint(names)
+    assert not pool.path(old[2].name).exists()
+    assert {wanted.name, used.name, reserve.name} <= names
+    assert pool.trim(want, bound=0) == 1 << 20  # the wanted size's file stays, whatever the bound
+    assert set(pool.files) == {wanted.name, used.name, reserve.name}
