@@ -40,7 +40,7 @@ from storage.fetch import Fetcher
 from storage.health import snapshot
 from storage.host import Host
 from storage.leases import Leases
-from storage.metrics import Endpoint, SnapshotCollector
+from storage.metrics import Endpoint, ProcessMetrics, SnapshotCollector
 from storage.protocol import Snapshot
 from storage.repair import Repairer
 from storage.rounds import Rounds
@@ -109,12 +109,15 @@ class Daemon:
             h, self.leases, self.tier, self.fetcher, self.repairer, self.snapshot
         )
         h.latency.registry.register(SnapshotCollector(self.snapshot))
+        # the process's own: resident memory, CPU, open_fds against max_fds (an alert at 80 %)
+        h.latency.registry.register(ProcessMetrics(config.job, h.name))
         self.server: Server | None = None
         self.warmer = Warmer(h, config.reserve, first=self.exchange.warm)
         self.service.warmer = self.warmer
 
     def snapshot(self) -> Snapshot:
-        return snapshot(self.host, self.tier, self.endpoint.port)
+        errors = self.server.accept_errors if self.server is not None else {}
+        return snapshot(self.host, self.tier, self.endpoint.port, errors)
 
     def _prepare_dirs(self) -> None:
         h = self.host
@@ -144,7 +147,13 @@ class Daemon:
         h.write_health()
         adoption.adopt(h, self.repairer, self.tier, hosts_by_rank)
         self.warmer.start()  # after adoption, which sweeps the files it does not know
-        self.server = Server(h.dir / "ctl.sock", self.service.handle, on_close=self.service.closed)
+        self.server = Server(
+            h.dir / "ctl.sock",
+            self.service.handle,
+            on_close=self.service.closed,
+            log=h.log,
+            on_fatal=lambda exc: h.fail("the control socket's accept loop", exc),
+        )
         self.server.start()
         config = h.config
         if config.metrics_port is not None:

@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "CapacityError",
     "ConfigError",
+    "DaemonFailedError",
     "DaemonUnavailableError",
     "PeerUnreachableError",
     "PersistError",
@@ -54,6 +55,11 @@ class CapacityError(StorageError):
 
     Nothing already stored is touched: the newest protected step stays readable.
     """
+
+
+class DaemonFailedError(StorageError, RuntimeError):
+    """Inside a daemon: a thread it needs failed (:meth:`storage.host.Host.fail`), so the daemon
+    goes down (``ecsnap serve`` exits 4) rather than live on half-alive."""
 
 
 class DaemonUnavailableError(StorageError, ConnectionError):

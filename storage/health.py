@@ -16,7 +16,9 @@ from storage.tier import Tier
 __all__ = ["snapshot"]
 
 
-def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
+def snapshot(
+    host: Host, tier: Tier, metrics_port: int | None, accept_errors: dict[str, int] | None = None
+) -> Snapshot:
     h = host
     persisted = tier.steps()  # I/O: before the lock
     with h.lock:
@@ -67,4 +69,6 @@ def snapshot(host: Host, tier: Tier, metrics_port: int | None) -> Snapshot:
             persisted=persisted,
             unreachable=list(h.unreachable),
             cpu=h.cpu.totals(),
+            accept_errors=dict(accept_errors or {}),
+            reason=h.failure,
         )

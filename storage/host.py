@@ -18,6 +18,7 @@ the one wait helper, :meth:`Host.wait_for`, whose timeout is a :class:`StorageTi
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,9 +60,29 @@ def _populated(shape: tuple[int, int]) -> np.ndarray[Any, Any]:
     ].reshape(shape)
 
 
+def _open_spare() -> int | None:
+    try:
+        return os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _process_start() -> int | None:
+    """This process's start time in clock ticks since boot (/proc/self/stat field 22): with
+    the pid, it tells this process apart from a later one given the same pid."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def log(host: str, msg: str) -> None:
     """One whole line on stderr, from any thread or process (a single write of the line)."""
     os.write(sys.stderr.fileno(), f"ecsnap[{host}] {msg}\n".encode())
+
+
+_PID_START = _process_start()
 
 
 @dataclass
@@ -179,6 +201,10 @@ class Host:
             self.encode_threads = max(1, min(config.encode_threads, share))
         self.health = "starting"
         self.fatal: PeerUnreachableError | None = None  # the job is going down: why
+        # a thread the daemon needs failed (:meth:`fail`): the daemon goes down with this reason
+        self.failure: str | None = None
+        # one descriptor held in reserve, let go to write health.json when none is left
+        self._spare_fd: int | None = _open_spare()
         self.unreachable: list[str] = []  # hosts whose daemons did not answer
         self.missing_slots: set[int] = set()
         self.degraded_stripes = 0
@@ -320,6 +346,9 @@ class Host:
     def close(self) -> None:
         for rs in self._codecs.values():
             rs.close()
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
 
     # -- this host's chunks ------------------------------------------------------------------------
 
@@ -422,16 +451,54 @@ class Host:
         self.write_health()
         return err
 
+    def fail(self, where: str, exc: BaseException) -> None:
+        """A thread the daemon needs (``where``) failed with ``exc``: the daemon must not live
+        on without it (half-alive: running, answering nobody). Say why in the log and in
+        ``health.json``; the round engine then ends the daemon (``ecsnap serve`` exits 4, and
+        MPI ends the job). Any thread; the first failure is the reason given."""
+        import traceback
+
+        reason = f"{where} failed: {type(exc).__name__}: {exc}"
+        with self.cond:
+            first = self.failure is None
+            if first:
+                self.failure = reason
+            self.health = "failed"
+            self.cond.notify_all()
+        self.wake.set()
+        if not first:
+            return
+        trace = "".join(traceback.format_exception(exc)).rstrip().replace("\n", "\n    ")
+        self.log(f"{reason}; the daemon goes down (exit 4)\n    {trace}")
+        try:
+            self.write_health()
+        except OSError as err:
+            self.log(f"could not write health.json: {err}")
+
     def write_health(self) -> None:
         """``health.json`` in the host directory: what ``ecsnap status`` shows while the job is
-        down (written atomically, mode 0600)."""
+        down (written atomically, mode 0600). Out of descriptors, the one held in reserve is
+        let go for it."""
+        try:
+            self._write_health()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare_fd is None:
+                raise
+            spare, self._spare_fd = self._spare_fd, None
+            os.close(spare)
+            self._write_health()
+            self._spare_fd = _open_spare()
+
+    def _write_health(self) -> None:
         with self.lock:
             body = {
                 "host": self.name,
                 "slot": self.slot,
                 "hosts": self.hosts,
                 "health": self.health,
+                "reason": self.failure,
                 "pid": os.getpid(),
+                "pid_start": _PID_START,
                 "time": time.time(),
                 "rebuilt_chunks": self.stats["rebuilt_chunks"],
                 "unreachable": self.unreachable,

@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from storage.protocol import Snapshot
 
-__all__ = ["Endpoint", "Latencies", "SnapshotCollector"]
+__all__ = ["Endpoint", "Latencies", "ProcessMetrics", "SnapshotCollector"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -44,6 +44,26 @@ class Latencies:
             "ecsnap_protect_seconds", "Trainer's alloc to protected (put->protected)"
         )
         self.rebuild = histogram("ecsnap_rebuild_seconds", "Time to repair one step's chunks")
+
+
+class ProcessMetrics(Collector):
+    """prometheus_client's process collector (``process_resident_memory_bytes``,
+    ``process_cpu_seconds_total``, ``process_open_fds`` against ``process_max_fds``...) with the
+    ``job`` and ``host`` labels every series here carries: virtual hosts share one scrape
+    target's address, and an alert names the daemon."""
+
+    def __init__(self, job: str, host: str) -> None:
+        self._inner = ProcessCollector(registry=None)
+        self._labels = {"job": job, "host": host}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                out.add_sample(
+                    sample.name, {**sample.labels, **self._labels}, sample.value, sample.timestamp
+                )
+            yield out
 
 
 class SnapshotCollector(Collector):
@@ -198,7 +218,18 @@ class SnapshotCollector(Collector):
             "ecsnap_health",
             "1 for the daemon's current health",
             "state",
-            {s: 1.0 if snap.health == s else 0.0 for s in ("starting", "rebuilding", "healthy")},
+            {
+                s: 1.0 if snap.health == s else 0.0
+                for s in ("starting", "rebuilding", "healthy", "unreachable peer", "failed")
+            },
+        )
+        yield by(
+            CounterMetricFamily,
+            "ecsnap_accept_errors",
+            "Accepts of the control socket that failed and were tried again after a back-off "
+            "(EMFILE, ENFILE: out of descriptors; ENOBUFS, ENOMEM; threads: none to be had)",
+            "errno",
+            dict(sorted(snap.accept_errors.items())),
         )
 
 

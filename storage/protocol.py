@@ -626,6 +626,9 @@ class Snapshot:
     persisted: list[int] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)  # hosts whose daemons fell silent
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by phase (storage.cpu)
+    # failed accepts of the control socket that passed (out of descriptors...), by errno name
+    accept_errors: dict[str, int] = field(default_factory=dict)
+    reason: str | None = None  # why the daemon is failing (health "failed"), if it is
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

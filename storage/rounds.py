@@ -29,6 +29,7 @@ from typing import Any
 
 from storage.catalog import StepState
 from storage.cpu import charged
+from storage.errors import DaemonFailedError
 from storage.exchange import Exchange
 from storage.fetch import Fetcher
 from storage.host import Host, Local
@@ -125,6 +126,8 @@ class Rounds:
         hot = False  # the last round moved something somewhere in the job
         quiet = 0  # rounds in a row that moved nothing anywhere: the same count on every daemon
         while True:
+            if h.failure is not None:  # a thread the daemon needs is gone (Host.fail)
+                raise DaemonFailedError(h.failure)
             ballot, group_out, rare_out, busy = self._collect()
             # A round right after one that moved anything polls instead of napping: the next
             # steps of a put (its records gathered, prepare, encode, protect) follow round after

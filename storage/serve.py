@@ -2,9 +2,11 @@
 
     mpiexec -n HOSTS ecsnap serve --job NAME [options]
 
-Exit codes: 0 stopped by SIGTERM/SIGINT (every daemon together), 2 options or files that cannot
-work (:class:`ConfigError`), 3 a peer daemon dead or stuck (the job is aborted; relaunch it, the
-state stays on disk).
+Exit codes: 0 stopped by SIGTERM/SIGINT (every daemon together), 2 options, files or limits that
+cannot work (:class:`ConfigError`), 3 a peer daemon dead or stuck (the job is aborted; relaunch
+it, the state stays on disk), 4 a thread the daemon needs failed (its log and ``health.json`` say
+why; the job is aborted, the state stays on disk). A daemon never lives on without its round
+engine or its accept loop.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import argparse
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from storage import limits
 from storage.config import DEFAULT_ROOT, ServeConfig
 from storage.daemon import Daemon
-from storage.errors import ConfigError
+from storage.errors import ConfigError, DaemonFailedError
 from storage.faults import FaultSpecError, Hooks
 from storage.host import log
 from transport.errors import PeerTimeoutError
@@ -193,15 +197,23 @@ def main(argv: list[str] | None = None) -> int:
     except FaultSpecError as exc:
         print(f"ecsnap serve: ECSNAP_FAULTS: {exc}", file=sys.stderr)
         return 2
+    raised = limits.raise_soft()  # before MPI opens its connections
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
+    try:
+        limits.check(raised, comm.Get_size(), socket.gethostname())
+    except ConfigError as exc:  # this host's limit: the others may differ, so end the job
+        print(f"ecsnap serve: {exc}", file=sys.stderr)
+        comm.Abort(2)
+        return 2
     try:
         daemon = Daemon(config, comm, hooks)
     except ConfigError as exc:
         if comm.Get_rank() == 0:
             print(f"ecsnap serve: {exc}", file=sys.stderr)
         return 2
+    daemon.host.log(raised.text(comm.Get_size()))
 
     def stop(signum: int, frame: Any) -> None:
         daemon.stop()
@@ -221,12 +233,22 @@ def main(argv: list[str] | None = None) -> int:
         told = daemon.host.going_down(exc)
         log(daemon.host.name, f"{exc}; {told}")
         time.sleep(0.5)  # the trainers' waits hear why before the job goes
-        # MPI_Abort asks the process manager to end the job; with a host cut off, that request
-        # can spin for good inside MPI, holding the GIL (seen on the lab). The kernel's default
-        # action for SIGALRM ends the process then, with no Python needed.
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(5)
-        comm.Abort(3)
-        return 3
+        return _abort(comm, 3)
+    except DaemonFailedError:
+        return _abort(comm, 4)  # Host.fail said why
+    except Exception as exc:  # the round engine itself: never a daemon that lives on without it
+        daemon.host.fail("the round engine", exc)
+        return _abort(comm, 4)
     finally:
         daemon.close()
+
+
+def _abort(comm: Any, code: int) -> int:
+    """End the whole storage job with ``code`` (MPI_Abort)."""
+    # MPI_Abort asks the process manager to end the job; with a host cut off, that request can
+    # spin for good inside MPI, holding the GIL (seen on the lab). The kernel's default action for
+    # SIGALRM ends the process then, with no Python needed.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(5)
+    comm.Abort(code)
+    return code

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,25 +27,68 @@ from transport import control
 __all__ = ["gather", "main", "render", "steps_text"]
 
 
+ANSWER_TIMEOUT = 2.0  # seconds a daemon has to answer ``info`` before it counts as silent
+
+
 def _from_daemon(host_dir: Path) -> dict[str, Any] | None:
+    """The daemon's own ``info``; None if nobody listens; ``{"silent": reason}`` if somebody
+    accepts but does not answer within :data:`ANSWER_TIMEOUT` (a stopped or wedged daemon)."""
     sock = host_dir / "ctl.sock"
     if not sock.exists():
         return None
     try:
-        conn = control.connect(sock, timeout=2.0)
+        conn = control.connect(sock, timeout=ANSWER_TIMEOUT)
     except OSError:
         return None
     try:
         reply = conn.request({"op": "info"})
-    except OSError:
-        return None
+    except TimeoutError:
+        return {"silent": f"accepted but did not answer within {ANSWER_TIMEOUT:.0f} s"}
+    except OSError as exc:
+        return {"silent": f"closed the connection ({exc})"}
     finally:
         conn.close()
-    if not reply or not reply.get("ok"):
+    if not reply:
+        return {"silent": "closed the connection without answering"}
+    if not reply.get("ok"):
         return None
     reply.pop("ok", None)
     reply["running"] = True
+    reply["daemon"] = "up"
     return reply
+
+
+def _alive(health: dict[str, Any]) -> bool:
+    """Whether the process ``health.json`` names still runs on this machine: its pid, with the
+    start time it wrote (a later process given the same pid is another)."""
+    pid, start = health.get("pid"), health.get("pid_start")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return False  # exited, not yet reaped
+    return start is None or int(fields[19]) == start
+
+
+def _host(host_dir: Path) -> dict[str, Any]:
+    """One host directory's record: from its daemon when it answers, else from its files, with
+    ``daemon`` "up", "not answering" (its process alive, its socket silent) or "gone"."""
+    answer = _from_daemon(host_dir)
+    if answer is not None and answer.get("running"):
+        return answer
+    out = _from_files(host_dir)
+    alive = _alive(out.pop("_health", {}))
+    out["daemon"] = "not answering" if alive or answer is not None else "gone"
+    if out["daemon"] == "not answering":
+        why = (answer or {}).get("silent") or "its socket does not answer"
+        if out.get("reason"):
+            why += f"; health.json: {out['reason']}"
+        out["silent"] = why
+    return out
 
 
 def _from_files(host_dir: Path) -> dict[str, Any]:
@@ -55,7 +99,9 @@ def _from_files(host_dir: Path) -> dict[str, Any]:
             health = {}
     except (OSError, ValueError):
         health = {}
+    out["_health"] = health
     out["health"] = health.get("health", "unknown")
+    out["reason"] = health.get("reason")
     out["slot"] = health.get("slot")
     valid, bad = recovery.scan(host_dir)
     out["protected"] = sorted(valid)
@@ -87,9 +133,10 @@ def gather(job: str, root: str | os.PathLike[str]) -> list[dict[str, Any]]:
         jobs = sorted(p.name for p in Path(root).iterdir()) if Path(root).is_dir() else []
         there = f"; jobs there: {', '.join(jobs)}" if jobs else ""
         raise ConfigError(f"no job {job!r} under {root} (no directory {job_dir}){there}")
-    found: dict[str, dict[str, Any]] = {
-        p.name: (_from_daemon(p) or _from_files(p)) for p in sorted(job_dir.iterdir()) if p.is_dir()
-    }
+    dirs = [p for p in sorted(job_dir.iterdir()) if p.is_dir()]
+    with ThreadPoolExecutor(min(16, max(1, len(dirs)))) as ask:  # a silent daemon costs 2 s
+        records = list(ask.map(_host, dirs))
+    found: dict[str, dict[str, Any]] = {p.name: r for p, r in zip(dirs, records, strict=True)}
     layout: list[str] = []
     for rec in sorted(found.values(), key=lambda r: not r.get("running")):
         if rec.get("hosts"):
@@ -155,7 +202,7 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
             [
                 str(h.get("slot", "-")),
                 h["host"],
-                "up" if h["running"] else "down",
+                h.get("daemon", "up" if h["running"] else "gone"),
                 str(h.get("health", "-")),
                 steps_text(h.get("protected", [])),
                 _gb(h.get("data_bytes")),
@@ -167,6 +214,11 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
                 (h.get("last_error") or "")[:60],
             ]
         )
+        if h.get("daemon") == "not answering":
+            notes.append(
+                f"{h['host']}: its daemon process runs but does not answer ({h.get('silent')}): "
+                "stopped (SIGSTOP), wedged or failing; its log says why"
+            )
         k, m = h.get("k"), h.get("m")
         data, parity = h.get("data_bytes") or 0, h.get("parity_bytes") or 0
         if k and m and data and parity / data > 1.05 * m / k:

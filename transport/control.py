@@ -7,11 +7,13 @@ travel here: they go through shared memory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,12 +109,25 @@ def connect(path: str | os.PathLike[str], timeout: float | None = None) -> Conne
 
 Handler = Callable[[dict[str, Any], Connection], dict[str, Any] | None]
 
+# accept(2) failures that pass: out of descriptors (this process's or the system's), or of
+# kernel memory. Go's net/http server treats them as temporary the same way: it sleeps from
+# 5 ms, doubling up to 1 s, and accepts again.
+TEMPORARY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+BACKOFF_FIRST = 0.005
+BACKOFF_LONGEST = 1.0
+
 
 class Server:
     """Serves ``handler(message, connection) -> reply`` on a Unix socket, a thread per client.
 
     A stale socket file left by a dead daemon is replaced; a live one (somebody answers) is an
     error, so two daemons never serve one host directory.
+
+    The accept loop outlives what passes: an accept that fails with one of :data:`TEMPORARY`
+    is counted in ``accept_errors`` (by errno name), told to ``log`` once per burst of them, and
+    tried again after a back-off (:data:`BACKOFF_FIRST` doubling up to :data:`BACKOFF_LONGEST`);
+    the clients queued meanwhile wait in the listen backlog. Any other failure of the loop ends
+    it and is handed to ``on_fatal`` (the daemon then goes down loudly), never swallowed.
     """
 
     def __init__(
@@ -120,10 +135,16 @@ class Server:
         path: str | os.PathLike[str],
         handler: Handler,
         on_close: Callable[[Connection], None] | None = None,
+        *,
+        log: Callable[[str], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.handler = handler
         self.on_close = on_close
+        self.log = log
+        self.on_fatal = on_fatal
+        self.accept_errors: dict[str, int] = {}  # errno name -> accepts that failed so
         if self.path.exists():
             try:
                 connect(self.path, timeout=1.0).close()
@@ -147,17 +168,64 @@ class Server:
         self._thread.start()
 
     def _accept(self) -> None:
+        try:
+            self._accept_loop()
+        except BaseException as exc:
+            if self._closed.is_set():
+                return  # closing: the listening socket went away under accept
+            if self.on_fatal is None:
+                raise
+            self.on_fatal(exc)
+
+    def _accept_loop(self) -> None:
+        delay = 0.0  # the back-off now; 0 outside a burst of temporary failures
+        burst, since = 0, 0.0
         while not self._closed.is_set():
             try:
                 sock, _ = self.sock.accept()
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                if exc.errno not in TEMPORARY:
+                    raise
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                self.accept_errors[name] = self.accept_errors.get(name, 0) + 1
+                if not burst:
+                    since = time.monotonic()
+                    self._say(
+                        f"accept: {name} ({os.strerror(exc.errno or 0)}); trying again from "
+                        f"{BACKOFF_FIRST * 1000:.0f} ms, doubling up to {BACKOFF_LONGEST:.0f} s"
+                    )
+                burst += 1
+                delay = min(max(delay * 2, BACKOFF_FIRST), BACKOFF_LONGEST)
+                self._closed.wait(delay)
+                continue
+            if burst:
+                self._say(
+                    f"accept: serving again after {burst} failed accept(s) in "
+                    f"{time.monotonic() - since:.2f} s"
+                )
+                delay, burst = 0.0, 0
+            try:
+                trusted = peer_uid(sock) == self._uid
             except OSError:
-                return
-            if peer_uid(sock) != self._uid:
+                trusted = False  # the client is gone already
+            if not trusted:
                 sock.close()  # another local user: not trusted
                 continue
-            threading.Thread(
-                target=self._serve, args=(Connection(sock),), daemon=True, name="ecsnap-client"
-            ).start()
+            conn = Connection(sock)
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn,), daemon=True, name="ecsnap-client"
+                ).start()
+            except RuntimeError:  # no thread to be had (a limit on tasks): as EMFILE above
+                conn.close()
+                self.accept_errors["threads"] = self.accept_errors.get("threads", 0) + 1
+                self._closed.wait(BACKOFF_FIRST)
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
 
     def _serve(self, conn: Connection) -> None:
         try:
