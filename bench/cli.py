@@ -19,6 +19,7 @@ BENCHMARKS = {
     "train": ("bench.train", "main"),
     "scale": ("bench.scale", "main"),
     "faults": ("bench.faults", "main"),
+    "descriptors": ("bench.descriptors", "main"),
     "soak": ("bench.faults", "soak_main"),
 }
 

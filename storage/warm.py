@@ -196,17 +196,34 @@ class Warmer:
                     self._make_reserve()
                 finally:
                     self.reserving = False
-            while not self._stop:
+        except Exception as exc:  # never the daemon's end: puts make their own files
+            self.reserving = False
+            h.log(f"warm: making the reserve stopped: {type(exc).__name__}: {exc}")
+        failing = 0  # failures in a row: out of descriptors or memory passes
+        while not self._stop:
+            try:
                 if h.pool.uncut and self._pause():
                     h.pool.cut()  # the tails of reserve files the first puts took
                 self.learn()
                 h.pool.trim(self.want, self.bound())
-                if not self._make_wanted():
-                    with h.cond:
-                        h.cond.wait(0.5)  # notified every round
-        except Exception as exc:  # never the daemon's end: puts make their own files
-            self.reserving = False
-            h.log(f"warm: making files ahead of need stopped: {type(exc).__name__}: {exc}")
+                made = self._make_wanted()
+                failing = 0
+            except Exception as exc:  # never the daemon's end: puts make their own files
+                if not failing:
+                    h.log(
+                        f"warm: making files ahead of need failed ({type(exc).__name__}: {exc}); "
+                        "trying again in idle time"
+                    )
+                failing += 1
+                made = False
+            if failing:  # 1 s, doubling up to 5 s, between tries
+                until = time.monotonic() + min(0.5 * (1 << min(failing, 4)), 5.0)
+                with h.cond:
+                    while not self._stop and time.monotonic() < until:
+                        h.cond.wait(until - time.monotonic())
+            elif not made:
+                with h.cond:
+                    h.cond.wait(0.5)  # notified every round
 
     def _make_reserve(self) -> None:
         """Reserve files for ``--reserve``, less what an earlier daemon left (taken back at

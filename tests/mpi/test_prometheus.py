@@ -106,6 +106,7 @@ def test_a_real_prometheus_scrapes_the_daemons_and_the_dashboard_has_data(
     config = re.sub(r"targets: \[.*\]", f"targets: [{targets}]", config)
     config = config.replace("scrape_interval: 10s", "scrape_interval: 1s")
     (tmp_path / "prometheus.yml").write_text(config)
+    shutil.copy(REPO / "charts" / "alerts.yml", tmp_path / "alerts.yml")  # its rule_files
     web = _free_run(1)
     prom = subprocess.Popen(
         [
@@ -159,6 +160,17 @@ def test_a_real_prometheus_scrapes_the_daemons_and_the_dashboard_has_data(
         assert len(up) == 4 and all(r["value"][1] == "1" for r in up), up
         empty = [e for e in _exprs(c.job) if not _query(web, e)]
         assert not empty, f"dashboard expressions without data: {empty}"
+        # the alert rules shipped beside the config are loaded and evaluate without error
+        groups = json.loads(_get(f"http://127.0.0.1:{web}/api/v1/rules"))["data"]["groups"]
+        rules = {r["name"]: r for g in groups for r in g["rules"]}
+        assert set(rules) == {
+            "EcsnapDescriptorsNearLimit",
+            "EcsnapAcceptFailing",
+            "EcsnapDaemonFailed",
+        }, rules
+        assert all(r["health"] in ("ok", "unknown") for r in rules.values()), rules
+        fds = _query(web, f'process_open_fds{{job="{c.job}"}} / process_max_fds')
+        assert len(fds) == 4 and all(0 < float(r["value"][1]) < 0.8 for r in fds), fds
         budget = _query(web, f'ecsnap_memory_budget_bytes{{job="{c.job}"}}')
         assert len(budget) == 4 and all(float(r["value"][1]) > 0 for r in budget), budget
         # promtool finds nothing to say about what any daemon exports
