@@ -26,6 +26,7 @@ daemon aborts the job. State stays in the host directory.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -114,10 +115,38 @@ class Daemon:
         self.server: Server | None = None
         self.warmer = Warmer(h, config.reserve, first=self.exchange.warm)
         self.service.warmer = self.warmer
+        self._lock_fd: int | None = None  # daemon.lock, held for the daemon's life
 
     def snapshot(self) -> Snapshot:
         errors = self.server.accept_errors if self.server is not None else {}
         return snapshot(self.host, self.tier, self.endpoint.port, errors)
+
+    def _lock_host_dir(self) -> None:
+        """Hold ``daemon.lock`` in the host directory for this daemon's life (``flock``, let go
+        by the kernel when the process ends, however it ends), before anything under it is
+        touched: a second launch of a live job (a duplicated launch line, a relaunch that fires
+        early) is refused here instead of wiping ``tmp/`` and sweeping the live job's files.
+        Raises :class:`ConfigError` naming the live daemon."""
+        h = self.host
+        Path(h.config.root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (h.dir.parent, h.dir):
+            d.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(h.dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                pid = json.loads((h.dir / "health.json").read_text()).get("pid")
+            except (OSError, ValueError, AttributeError):
+                pid = None
+            who = f" (pid {pid})" if pid else ""
+            raise ConfigError(
+                f"{h.dir} is served by a live daemon{who} of job {h.config.job}: a second launch "
+                "would break the live job; stop the running one first (SIGTERM to its mpiexec), "
+                "or launch with another --job or --root"
+            ) from None
+        self._lock_fd = fd
 
     def _prepare_dirs(self) -> None:
         h = self.host
@@ -131,6 +160,7 @@ class Daemon:
 
     def start(self) -> None:
         h = self.host
+        self._lock_host_dir()  # before anything under it is touched
         hosts_by_rank = h.links.allgather_json(h.name, "host names")
         _unlink_mpi_segments()  # every local rank is past MPI_Init: they all have them mapped
         dupes = sorted({n for n in hosts_by_rank if hosts_by_rank.count(n) > 1})
@@ -206,3 +236,6 @@ class Daemon:
         self.host.close()
         self.exchange.close()
         self.tier.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the host directory is free for the next daemon
+            self._lock_fd = None
