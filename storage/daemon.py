@@ -160,7 +160,6 @@ class Daemon:
 
     def start(self) -> None:
         h = self.host
-        self._lock_host_dir()  # before anything under it is touched
         hosts_by_rank = h.links.allgather_json(h.name, "host names")
         _unlink_mpi_segments()  # every local rank is past MPI_Init: they all have them mapped
         dupes = sorted({n for n in hosts_by_rank if hosts_by_rank.count(n) > 1})
@@ -169,6 +168,7 @@ class Daemon:
                 f"two daemons claim host {', '.join(dupes)} (one host directory each); run one "
                 "daemon per host, or --virtual-hosts to test on one machine"
             )
+        self._lock_host_dir()  # before anything under the host directory is touched
         self._prepare_dirs()
         h.measure_memory_limit()
         if h.config.virtual_hosts is not None and h.rank == 0:

@@ -136,14 +136,19 @@ def test_the_accept_loop_outlives_running_out_of_descriptors(shm_root: Path) -> 
             for _ in range(6):  # 2 accepted, the rest queued while accept fails
                 extra.append(control.connect(sock, timeout=30))
             _until("an EMFILE on accept", _log_has(c, "accept: EMFILE"))
+            time.sleep(1.0)  # accepts failing meanwhile, backing off: 5, 10, 20... ms
         finally:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
         _until("accepting again", _log_has(c, "accept: serving again after"))
         for conn in extra:  # every queued client is served
             assert conn.request({"op": "hello", "job": c.job, "rank": 0})["ok"]
-        assert c.log.read_text().count("accept: EMFILE") == 1  # once for the burst
+        # the fault fired, and every failure was counted; each burst of them was told once,
+        # and its end once (a descriptor the daemon let go meanwhile can split a burst in two)
+        log = c.log.read_text()
+        bursts = log.count("accept: EMFILE")
+        assert 1 <= bursts == log.count("accept: serving again after"), log
         errors = stores[0].info()["accept_errors"]
-        assert errors.get("EMFILE", 0) >= 1, errors  # the fault fired, and was counted
+        assert errors.get("EMFILE", 0) >= bursts + 3, (errors, bursts)
         for h in [s.put(2, _state(r, 2)) for r, s in enumerate(stores)]:
             assert h.wait(60) == 2
         for r, s in enumerate(stores):
