@@ -16,11 +16,14 @@ A spec is a comma-separated list of faults, each ``KIND@POINT`` with ``:key=valu
     ECSNAP_FAULTS="delay@send:nth=1:seconds=2"         every daemon holds its 1st bulk send 2 s
     ECSNAP_FAULTS="enospc@alloc:host=host0"            host0's next shared-memory allocation
                                                         fails as if /dev/shm were full
+    ECSNAP_FAULTS="delay@serving:host=host0:seconds=3"  host0 holds its 1st local read 3 s
+                                                        between checking a shard and replying
 
 Points: ``staging`` (a trainer's allocation), ``encoding``, ``sending`` (bulk sends of a step
 posted), ``committing`` (a step protected, its manifest about to be written), ``rebuilding``
-(a repair about to move chunks), ``send`` (one bulk MPI message), ``alloc`` (one shared-memory
-buffer taken from the pool). Kinds: ``kill`` (any point), ``drop`` and ``delay`` (``send``),
+(a repair about to move chunks), ``serving`` (a read of a shard held here, checked and about
+to be answered), ``send`` (one bulk MPI message), ``alloc`` (one shared-memory buffer taken from
+the pool). Kinds: ``kill`` (any point), ``drop`` (``send``), ``delay`` (``send``, ``serving``),
 ``enospc`` (``alloc``). ``nth`` counts that point's hits in this process (default 1); each fault
 fires once, and says so on stderr (``injected fault: KIND@POINT``).
 """
@@ -44,7 +47,7 @@ __all__ = ["Fault", "FaultSpecError", "FaultyLinks", "FaultyPool", "Hooks", "par
 KINDS = {
     "kill": {"staging", "encoding", "sending", "committing", "rebuilding", "send", "alloc"},
     "drop": {"send"},
-    "delay": {"send"},
+    "delay": {"send", "serving"},
     "enospc": {"alloc"},
 }
 

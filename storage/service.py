@@ -492,12 +492,22 @@ class Service:
         (a repair was asked for: try again)."""
         h = self.host
         if shard is not None and shard.slot == h.slot:
-            rec = h.catalog.steps[step]
+            # The lease first, then the checks: retention may retire the step meanwhile, and
+            # a buffer freed before its lease was taken went to the next put, whose bytes the
+            # reader's views then showed. Under the lock the step is still held with this shard
+            # (else None: the caller resolves again), and its buffer leased stays out of reuse.
+            with h.lock:
+                rec = h.catalog.steps.get(step)
+                held = rec.shards.get(rank) if rec is not None and rec.state.held else None
+                if rec is None or held is None or held.buffer != shard.buffer:
+                    return None
+                if not meta_only:
+                    self.leases.take(shard.buffer, conn)
             bad = self.repairer.lost_chunks(rec, rank)
             if not bad:
+                h.phase("serving")
                 if meta_only:
                     return {"step": step, "meta": h.table(rec, rank)}
-                self.leases.take(shard.buffer, conn)
                 return {
                     "step": step,
                     "nbytes": shard.nbytes,
@@ -507,6 +517,8 @@ class Service:
                     "buffer": shard.buffer,
                     "temp": False,
                 }
+            if not meta_only:
+                self.leases.end(shard.buffer, conn)
             h.log(
                 f"step {step} rank {rank}: {len(bad)} chunk(s) missing or failing "
                 "their checksum here; repairing from the group"
