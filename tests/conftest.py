@@ -62,3 +62,23 @@ def no_leaked_mpi_segments() -> Iterator[None]:
     left = _mpich_segments() - before - _mapped_shm()
     for name in left:
         (Path("/dev/shm") / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def prometheus_bin() -> Path:
+    """Debian's prometheus and promtool, fetched by tests/tools/fetch-prometheus.sh if missing."""
+    repo = Path(__file__).resolve().parents[1]
+    bin_dir = repo / ".cache" / "prometheus" / "usr" / "bin"
+    if not (bin_dir / "prometheus").exists():
+        out = subprocess.run(
+            [str(repo / "tests" / "tools" / "fetch-prometheus.sh")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, (
+            "the Prometheus server is not here and could not be fetched (apt-get download "
+            f"prometheus): {out.stderr}; run tests/tools/fetch-prometheus.sh where Debian's "
+            "package archive is reachable"
+        )
+    return bin_dir

@@ -29,6 +29,8 @@ from bench.harness import Cluster, close_all
 from storage import status
 from transport import control
 
+from .test_warm import _until
+
 
 def _state(rank: int, step: int) -> dict[str, Any]:
     """A small state whose size differs at every step (and rank): 4-12 kB."""
@@ -45,14 +47,6 @@ def _steady(rank: int, step: int) -> dict[str, Any]:
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _until(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-        time.sleep(0.05)
 
 
 @contextmanager

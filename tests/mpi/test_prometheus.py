@@ -20,26 +20,7 @@ import pytest
 import storage
 from bench.harness import REPO, Cluster, make_state
 
-BIN = REPO / ".cache" / "prometheus" / "usr" / "bin"
 DASHBOARD = REPO / "charts" / "grafana" / "ecsnap.json"
-
-
-@pytest.fixture(scope="module")
-def prometheus_bin() -> Path:
-    """Debian's prometheus and promtool, fetched by tests/tools/fetch-prometheus.sh if missing."""
-    if not (BIN / "prometheus").exists():
-        out = subprocess.run(
-            [str(REPO / "tests" / "tools" / "fetch-prometheus.sh")],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, (
-            "the Prometheus server is not here and could not be fetched (apt-get download "
-            f"prometheus): {out.stderr}; run tests/tools/fetch-prometheus.sh where Debian's "
-            "package archive is reachable"
-        )
-    return BIN
 
 
 def _free_run(n: int) -> int:
