@@ -32,7 +32,7 @@ import numpy as np
 from storage import discovery
 from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
-from storage.errors import DaemonUnavailableError, StorageError, from_wire
+from storage.errors import DaemonUnavailableError, DaemonUntrustedError, StorageError, from_wire
 from storage.gpu import to_device
 from storage.maps import Maps
 from storage.protocol import MAX_STEP, MAX_WORLD
@@ -191,6 +191,14 @@ class Store:
                 conn = control.connect(
                     self.socket_path, timeout=max(deadline - time.monotonic(), 0.1)
                 )
+                server = control.peer_uid(conn.sock)
+                if server != os.getuid():
+                    conn.close()
+                    raise DaemonUntrustedError(
+                        f"{self.socket_path} is served by uid {server}, not by this user "
+                        f"(uid {os.getuid()}): not your daemon, and nothing is sent to it; "
+                        "use a root of your own (--root, ECSNAP_ROOT), owned by you, mode 0700"
+                    )
                 if not hello:
                     conn.sock.settimeout(None)  # a wait for protection takes its own time
                     return conn, None
@@ -201,6 +209,8 @@ class Store:
                     conn.close()
                     raise from_wire(reply)
                 return conn, reply
+            except DaemonUntrustedError:
+                raise  # a PermissionError, so an OSError: never one to wait out
             except (OSError, ProtocolError) as exc:
                 if conn is not None:
                     conn.close()
@@ -872,7 +882,7 @@ def connect(
     (torchrun), ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` (Open MPI) or ``PMI_RANK`` / ``PMI_SIZE``
     (MPICH); ``host`` from ``ECSNAP_HOST``, else the machine's hostname, else, where the daemons
     run ``--virtual-hosts`` on this machine, virtual host ``rank % H`` (in the order they name
-    them); ``root`` from ``ECSNAP_ROOT``, else ``/dev/shm/ecsnap``. Waits up to ``timeout``
+    them); ``root`` from ``ECSNAP_ROOT``, else ``/dev/shm/ecsnap-<user>``. Waits up to ``timeout``
     seconds for the daemon, then raises :class:`DaemonUnavailableError` naming the hosts whose
     daemons do answer; a job that never ran under ``root`` fails within 5 s, naming the jobs
     that did.

@@ -19,8 +19,22 @@ __all__ = [
     "host_dir",
 ]
 
-DEFAULT_ROOT = "/dev/shm/ecsnap"
+
+def _user() -> str:
+    """This user's name for the default root (the uid where the password database has none)."""
+    try:
+        import pwd
+
+        name = pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.getuid())
+    return name if _NAME.match(name) else str(os.getuid())
+
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# One root per user: a root shared by every user lets whoever makes it first own it (and pose
+# as the daemon, or read the trainers' state). The daemon checks its owner and mode at start.
+DEFAULT_ROOT = f"/dev/shm/ecsnap-{_user()}"
 
 
 def check_name(kind: str, name: str) -> str:
@@ -67,7 +81,7 @@ class ServeConfig:
     reserve: int = 0  # shared memory pre-faulted at start, before any size is known (per host)
     virtual_hosts: tuple[str, ...] | None = None  # () means host0..host{H-1}
     metrics_port: int | None = None  # virtual host i serves on port + i; 0 picks a free port
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"  # loopback unless --metrics-host says otherwise
     peer_timeout: float = 120.0
     window: int = 64  # stripes a repair window holds at most (see storage.repair)
     exchange_rows: int = 12 << 20  # data bytes of a half exchange window's rows (storage.exchange)

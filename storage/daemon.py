@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,23 @@ def _unlink_mpi_segments() -> None:
                 os.unlink(path)
             except OSError:
                 pass  # another local rank was first
+
+
+def check_owner(root: Path) -> None:
+    """Refuse a root that another user owns, or that others may write to: whoever owns it (or
+    may write there) could pose as this job's daemons, or read the trainers' state. Raises
+    :class:`ConfigError` saying what is wrong and what to do."""
+    st = os.stat(root)
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"the root {root} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): "
+            "another user made it first; give a root of your own (--root or ECSNAP_ROOT)"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"the root {root} may be written by others (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"`chmod 700 {root}`, or give a root of your own (--root or ECSNAP_ROOT)"
+        )
 
 
 def _memory_kind(path: Path) -> str:
@@ -129,6 +147,7 @@ class Daemon:
         Raises :class:`ConfigError` naming the live daemon."""
         h = self.host
         Path(h.config.root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_owner(Path(h.config.root))
         for d in (h.dir.parent, h.dir):
             d.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(h.dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "DaemonFailedError",
     "DaemonUnavailableError",
+    "DaemonUntrustedError",
     "PeerUnreachableError",
     "PersistError",
     "SnapshotUnrecoverableError",
@@ -75,6 +76,11 @@ class UnsupportedTypeError(StorageError, TypeError):
 
     def fields(self) -> dict[str, Any]:
         return {"path": self.path}
+
+
+class DaemonUntrustedError(StorageError, PermissionError):
+    """The control socket is served by a process of another uid: not this user's daemon (another
+    local user may pose as it, to read the trainers' state or have them overwrite files)."""
 
 
 class ConfigError(StorageError, ValueError):

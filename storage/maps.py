@@ -45,10 +45,18 @@ class Maps:
 
     def here(self, path: str) -> str:
         """A path the daemon gave, as this process sees it: the daemon's host directory may be
-        mounted elsewhere here (a container, or a lab host's /dev/shm seen from outside)."""
-        if path.startswith(self._daemon_dir + "/"):
-            return self._local_dir + path[len(self._daemon_dir) :]
-        return path
+        mounted elsewhere here (a container, or a lab host's /dev/shm seen from outside).
+
+        Raises :class:`StorageError` for a path outside the daemon's host directory (or one
+        that climbs out of it): a trainer maps what the daemon names read-write and shared, so
+        a daemon's reply never makes it map any other file."""
+        clean = os.path.normpath(path)
+        if clean != path or not path.startswith(self._daemon_dir + "/"):
+            raise StorageError(
+                f"the daemon named {path!r}, outside its host directory {self._daemon_dir}: "
+                "refusing to map it"
+            )
+        return self._local_dir + path[len(self._daemon_dir) :]
 
     def map(self, path: str, size: int) -> shm.MappedFile:
         """The mapping of a file the daemon gave (``size`` bytes), made once and kept for the

@@ -130,7 +130,12 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
         help="serve Prometheus /metrics here (virtual host i: PORT+i; 0: a free port)",
     )
     p.add_argument(
-        "--metrics-addr", default="0.0.0.0", help="address /metrics listens on (default all)"
+        "--metrics-host",
+        "--metrics-addr",
+        dest="metrics_addr",
+        default="127.0.0.1",
+        help="address /metrics listens on (default 127.0.0.1, this machine only; give the "
+        "node's private address, or 0.0.0.0 for every interface, for a Prometheus elsewhere)",
     )
     p.add_argument(
         "--peer-timeout",
