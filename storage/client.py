@@ -845,6 +845,27 @@ def _table(buffer: Any, reply: dict[str, Any], rank: int) -> dict[str, Any]:
     return unpack_table(bytes(raw), f"step {reply['step']} rank {rank}")
 
 
+# Where a rank's place in the job comes from when connect() is not told: torchrun's variables,
+# then MPI's (Open MPI's, MPICH's PMI), then Slurm's, for a trainer started by plain `srun python`
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as given, else from the first of :data:`RANK_VARS` and
+    :data:`WORLD_VARS` that is set; :class:`StorageError` naming them if either is unknown."""
+    if rank is None:
+        rank = discovery.env_int(*RANK_VARS)
+    if world_size is None:
+        world_size = discovery.env_int(*WORLD_VARS)
+    if rank is None or world_size is None:
+        raise StorageError(
+            "rank and world_size unknown: pass them, or set RANK and WORLD_SIZE (torchrun sets "
+            f"them; also read: {', '.join(RANK_VARS[1:])} and {', '.join(WORLD_VARS[1:])})"
+        )
+    return rank, world_size
+
+
 _LIVE: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
@@ -898,12 +919,7 @@ def connect(
     if not job:
         raise StorageError("no job name: pass job= or set ECSNAP_JOB")
     check_name("job", job)
-    if rank is None:
-        rank = discovery.env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-    if world_size is None:
-        world_size = discovery.env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    if rank is None or world_size is None:
-        raise StorageError("rank and world_size unknown: pass them or set RANK and WORLD_SIZE")
+    rank, world_size = rank_and_world(rank, world_size)
     if not 0 <= rank < world_size:
         raise StorageError(f"rank {rank} is not in 0..world_size-1 ({world_size})")
     if world_size > MAX_WORLD:

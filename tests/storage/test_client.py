@@ -68,3 +68,26 @@ def test_status_cells_stay_readable_with_many_steps() -> None:
     assert steps_text([]) == "none"
     assert steps_text([3, 4]) == "3, 4"
     assert steps_text(list(range(1, 89))) == "88 (1-88; newest 86, 87, 88)"
+
+
+def test_rank_and_world_size_come_from_torchrun_mpi_or_slurm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trainer started by plain `srun python train.py` has only Slurm's variables; torchrun's
+    and MPI's come first where they are set (under `srun torchrun`, SLURM_PROCID is the node's)."""
+    from storage.client import RANK_VARS, WORLD_VARS, rank_and_world
+
+    for name in (*RANK_VARS, *WORLD_VARS):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(storage.StorageError, match=r"SLURM_PROCID and .*SLURM_NTASKS"):
+        rank_and_world(None, None)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert rank_and_world(None, None) == (5, 8)
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    assert rank_and_world(None, None) == (3, 4)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert rank_and_world(None, None) == (1, 2)
+    assert rank_and_world(0, 16) == (0, 16)  # given wins
