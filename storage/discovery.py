@@ -17,6 +17,16 @@ from transport import control
 __all__ = ["answering", "env_int", "host_of", "jobs"]
 
 
+def process_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (``[0]`` the state letter,
+    ``[19]`` the start time in clock ticks since boot), or None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
 def env_int(*names: str) -> int | None:
     for n in names:
         v = os.environ.get(n)

@@ -28,13 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from codec import RSCodec
-from storage import recovery
+from storage import discovery, recovery
 from storage.catalog import Catalog, StepRec, StepState
 from storage.config import ServeConfig, host_dir
 from storage.cpu import Clock
@@ -70,11 +69,8 @@ def _open_spare() -> int | None:
 def _process_start() -> int | None:
     """This process's start time in clock ticks since boot (/proc/self/stat field 22): with
     the pid, it tells this process apart from a later one given the same pid."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = discovery.process_stat("self")
+    return None if fields is None else int(fields[19])
 
 
 def log(host: str, msg: str) -> None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from storage import recovery
+from storage import discovery, recovery
 from storage.config import DEFAULT_ROOT, check_name
 from storage.errors import ConfigError
 from transport import control
@@ -64,13 +64,9 @@ def _alive(health: dict[str, Any]) -> bool:
     pid, start = health.get("pid"), health.get("pid_start")
     if not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":
-        return False  # exited, not yet reaped
+    fields = discovery.process_stat(pid)
+    if fields is None or fields[0] == "Z":
+        return False  # gone, or exited and not yet reaped
     return start is None or int(fields[19]) == start
 
 

@@ -16,6 +16,7 @@ import pytest
 
 import storage
 from bench.harness import REPO, Cluster
+from bench.lab import process_state
 from storage import launch
 from transport import control
 
@@ -119,14 +120,6 @@ def test_a_relaunch_without_chunk_bytes_takes_the_chunk_its_files_were_written_w
         assert again.stop() == 0, again.log.read_text()
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=4, k=3, m=1)
     job = c.job
@@ -176,7 +169,7 @@ def test_relaunch_mismatch_claims_other_job_stale_socket_and_junk(shm_root: Path
         c.proc.wait()
     # mpiexec reaped is not every daemon gone: one still dying can accept a connection
     deadline = time.monotonic() + 30
-    while any(_running(p) for p in pids):
+    while any(process_state(p) not in (None, "Z") for p in pids):
         assert time.monotonic() < deadline, "the SIGKILLed daemons are still there"
         time.sleep(0.05)
     # a stale socket: nobody listens; a client says so within its timeout
