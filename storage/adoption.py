@@ -105,7 +105,12 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         for s in adopted
         if s in valid and min(sl for sl in g.slots if str(s) in by_slot[sl]["steps"]) == h.slot
     }
-    pinned_here = {str(s): m for s, m in valid.items() if m.get("pinned")}
+    # Bases: a step the group's adopted steps refer to may be held here as pinned, or still as
+    # protected (a crash came between the commit that retired it and the next round, when its
+    # manifest says pinned), or by some hosts of the group only: any valid manifest of a step
+    # not adopted may be one.
+    agreed = set(adopted)
+    pinned_here = {str(s): m for s, m in valid.items() if m.get("pinned") or s not in agreed}
     manifests: dict[int, dict[str, Any]] = {}
     pinned: dict[int, dict[str, Any]] = {}
     for part, pins in h.gl.allgather_json([mine, pinned_here], "manifests"):
@@ -131,7 +136,9 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
                 )
         for step in sorted(wanted & set(pinned)):
             if step not in h.catalog.steps:
-                h.catalog.steps[step] = recovery.rec_from_manifest(pinned[step], h.catalog)
+                rec = recovery.rec_from_manifest(pinned[step], h.catalog)
+                rec.state = StepState.PINNED
+                h.catalog.steps[step] = rec
     h.stats["adopted_steps"] = len(adopted)
     # every host checks its own chunks; the erasures of the group are the group's to plan
     t1 = time.monotonic()
@@ -199,6 +206,14 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
                 f"step {step} cannot be rebuilt: more than m chunks of a stripe lost on {hosts} "
                 f"(ranks {ranks or 'of that group'})"
             )
+    # The commit that protected the newest adopted step retired what retention drops; a crash
+    # before every host had removed those steps' manifests leaves them here: retired again now
+    # (pinned where the group still refers to them), the same decision on every daemon.
+    with h.lock:
+        retired = h.catalog.apply_retention()
+    if retired:
+        h.log(f"adoption: step(s) {retired} retired again (their commit's retention)")
+    erasures = {s: e for s, e in erasures.items() if s in h.catalog.steps}
     if erasures:
         h.health = "rebuilding"
         h.degraded_stripes = repairer.degraded(list(erasures.items()))
@@ -280,8 +295,11 @@ def _agree(
 
     A step is adopted when every group either holds a manifest of it (on some host) or lost
     every host (then the step is lost). A group with surviving hosts but no manifest of the step
-    never finished writing it: the job died as it was protected, before any trainer was told
-    (that waits until every host has written its manifest), so it is dropped everywhere."""
+    either never finished writing it (the job died as it was protected, before any trainer was
+    told: that waits until every host has written its manifest) or had removed it as retired,
+    which a host does only once every host holds the manifest of the step that retired it (see
+    :class:`storage.rounds.Rounds`): either way it is dropped everywhere, and a step any rank saw
+    protected, or a newer one that retired it, is adopted."""
     adopted = []
     lost_groups: dict[int, list[int]] = {}
     for step in sorted(known):

@@ -98,6 +98,33 @@ class Catalog:
         p = self.protected()
         return p[-1] if p else None
 
+    def refusal(self, step: int) -> str | None:
+        """Why a new put of ``step`` is refused, or None. Steps are write-once and go forward:
+        a number the job holds (readable, or pinned as the base of newer steps) cannot be put
+        again, nor one older than the newest protected step (a rollback: delete the newer steps
+        first). Only the job-wide part of this (protected steps) decides at lane time, so every
+        group gives the same answer; pinned is per group, and is refused early where known."""
+        rec = self.steps.get(step)
+        if rec is not None and rec.state not in (StepState.STAGING, StepState.LOST):
+            return (
+                f"step {step} was already put by every rank (it is {rec.state}; steps are "
+                "write-once); delete it first or put a new step"
+                + (
+                    " (a pinned step is gone for readers, but later steps still refer to its "
+                    "tensors: delete those first)"
+                    if rec.state == StepState.PINNED
+                    else ""
+                )
+            )
+        latest = self.latest()
+        if rec is None and latest is not None and step < latest:
+            return (
+                f"step {step} is older than step {latest}, which the job holds: steps go forward "
+                "(get() serves the newest). To roll back, delete every step after the one you "
+                "resume from (store.delete(s) for each, or store.rollback(to)), then put again"
+            )
+        return None
+
     def lane_of(self, step: int) -> int | None:
         rec = self.steps.get(step)
         return rec.lane if rec is not None else None
@@ -315,6 +342,14 @@ class Catalog:
         for old in [s for s, r in self.steps.items() if r.state == StepState.LOST]:
             if old < rec.step:
                 del self.steps[old]  # a newer step is protected: no use any more
+
+    def apply_retention(self) -> list[int]:
+        """Retire the protected steps beyond ``keep`` (at adoption, where a crash may have come
+        before the commit's retention reached every host's files); returns them."""
+        old = self.evictions()
+        for step in old:
+            self._retire(step)
+        return old
 
     def fail(self, step: int, message: str) -> None:
         """Fail an in-flight step that every daemon gives up alike (its lane is needed)."""

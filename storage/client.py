@@ -32,7 +32,13 @@ import numpy as np
 from storage import discovery
 from storage import state as _state
 from storage.config import DEFAULT_ROOT, check_name, host_dir
-from storage.errors import DaemonUnavailableError, DaemonUntrustedError, StorageError, from_wire
+from storage.errors import (
+    DaemonUnavailableError,
+    DaemonUntrustedError,
+    StepNotFoundError,
+    StorageError,
+    from_wire,
+)
 from storage.gpu import to_device
 from storage.maps import Maps
 from storage.protocol import MAX_STEP, MAX_WORLD
@@ -787,6 +793,20 @@ class Store:
         """Drop ``step`` on every host; :class:`StepNotFoundError` if no daemon holds it."""
         self._check_open()
         self._request({"op": "delete", "step": step})
+
+    def rollback(self, to: int) -> list[int]:
+        """Delete every step newer than ``to``, in memory and on disk, so that the job can put
+        those numbers again (steps go forward: a put of a number older than the newest held step
+        is refused). Returns the steps deleted. Call it from one rank, or from every rank (a step
+        another rank deleted first is skipped), before any rank puts again."""
+        gone = []
+        for step in sorted((s for s in self.steps() if s > to), reverse=True):
+            try:
+                self.delete(step)
+            except StepNotFoundError:
+                continue
+            gone.append(step)
+        return sorted(gone)
 
     def info(self) -> dict[str, Any]:
         """The host daemon's counters (bytes held and moved), for benchmarks and status."""

@@ -58,6 +58,7 @@ def snapshot(
             },
             protected=h.catalog.protected(),
             in_flight=sorted(s for s, r in h.catalog.steps.items() if r.state.in_flight),
+            pinned=sorted(s for s, r in h.catalog.steps.items() if r.state == StepState.PINNED),
             lost={str(s): r.lost for s, r in h.catalog.steps.items() if r.state == StepState.LOST},
             errors=dict(h.errors),
             last_error=h.last_error,

@@ -629,6 +629,8 @@ class Snapshot:
     # failed accepts of the control socket that passed (out of descriptors...), by errno name
     accept_errors: dict[str, int] = field(default_factory=dict)
     reason: str | None = None  # why the daemon is failing (health "failed"), if it is
+    # steps gone for readers but held here as the base of newer steps' unchanged tensors
+    pinned: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,7 +29,7 @@ from typing import Any
 
 from storage.catalog import StepRec, StepState
 from storage.cpu import charged
-from storage.errors import DaemonFailedError
+from storage.errors import DaemonFailedError, StepExistsError, to_wire
 from storage.exchange import Exchange
 from storage.fetch import Fetcher
 from storage.host import Host, Local
@@ -124,6 +124,16 @@ class Rounds:
         # while it stays in that state, so a round's local work does not grow with the steps
         # kept (4 virtual hosts at --keep 1000: 100 puts took 5 s after 100 kept, 19 s after 400)
         self.settled: dict[int, tuple[StepRec, StepState]] = {}
+        # The commit of a step is one decision for the whole job: the round that protects S
+        # retires the steps retention drops (and a delete its step) on every daemon alike, but
+        # each daemon removes or rewrites their manifests, and gives their files back, only in a
+        # later round's local work. That round completes only once every daemon has done the
+        # earlier one's, so every host has written S's manifest before any host lets go of a
+        # step S retires: a crash anywhere in between leaves the retired steps whole on every
+        # host, and adoption redoes the retirement if S is whole too (ARCHITECTURE.md, "The
+        # commit"). (round, step, its local state) of steps out of the catalog, oldest first:
+        self.retiring: list[tuple[int, int, Local]] = []
+        self.left_at: dict[int, int] = {}  # step -> the round it became pinned (see above)
 
     @charged("rounds")
     def run(self) -> int:
@@ -296,6 +306,7 @@ class Rounds:
         kind = raw.get("e")
         if kind == "delete":
             h.catalog.delete(int(raw["step"]))
+            self.tier.deleted(int(raw["step"]))
         elif kind == "fetch":
             self.fetcher.requests.append(Fetch(**{k: v for k, v in raw.items() if k != "e"}))
         elif kind == "offer":
@@ -320,6 +331,13 @@ class Rounds:
         cat = h.catalog
         rec = cat.steps.get(step)
         if rec is not None and rec.state != StepState.LOST:
+            return
+        why = cat.refusal(step)
+        if why is not None:  # older than the newest protected step: the same on every daemon
+            cat.failed[step] = to_wire(StepExistsError(why))
+            h.wanted.discard(step)
+            for ev in self.waiting.pop(step, []):
+                h.pool.release(ev.shard.buffer)
             return
         if rec is not None:
             self.forget(step)  # put afresh: the lost one's files go
@@ -384,7 +402,11 @@ class Rounds:
                         phases = " ".join(f"{k}=+{(v - t0) * 1e3:.1f}ms" for k, v in loc.t.items())
                         # t0: CLOCK_MONOTONIC, which the trainers' clocks on this machine share
                         h.log(f"step {rec.step}: t0={t0:.4f} {phases}")
-                if rec.state == StepState.PINNED and not loc.pinned_manifest:
+                if (
+                    rec.state == StepState.PINNED
+                    and not loc.pinned_manifest
+                    and self._retired_before(rec.step)
+                ):
                     h.write_manifest(rec, loc)  # says so: a restart keeps it for its referrers
                     loc.pinned_manifest = True
                 if rec.state == StepState.FAILED:
@@ -394,7 +416,8 @@ class Rounds:
                 ):
                     self.settled[rec.step] = (rec, rec.state)
             for step in sorted(h.local.keys() - h.catalog.steps.keys()):
-                self.forget(step)  # deleted, or evicted by retention
+                self._retire(step)  # deleted, or evicted by retention
+            self._retired_files()
             h.cond.notify_all()
         self.tier.settle()
 
@@ -419,18 +442,48 @@ class Rounds:
             del loc.buffers[rank]
         h.pool.release(buffer)
 
-    def forget(self, step: int) -> None:
-        """Give this host's files of ``step`` back to the pool (the round thread, under the
-        lock); a failed step leaves the catalog, its error kept for late waiters."""
+    def _retired_before(self, step: int) -> bool:
+        """Whether ``step`` left the readers' view in an earlier round than this one (the first
+        call notes this round)."""
+        h = self.host
+        return self.left_at.setdefault(step, h.rounds) < h.rounds
+
+    def _retire(self, step: int) -> None:
+        """``step`` left the catalog in this round (retention, a delete): its files wait for
+        the next round (see :attr:`retiring`); its number may be put again at once."""
+        h = self.host
+        loc = h.local.pop(step)
+        self.retiring.append((h.rounds, step, loc))
+        self.left_at.pop(step, None)
+        self.forget(step, files=False)
+
+    def _retired_files(self) -> None:
+        """Steps that left the catalog in an earlier round: their manifests and files go."""
+        h = self.host
+        while self.retiring and self.retiring[0][0] < h.rounds:
+            _, step, loc = self.retiring.pop(0)
+            for name in loc.buffers.values():
+                self.leases.free(name)
+            h.pool.release(loc.parity)
+            new = h.local.get(step)  # the number put again: its manifest is the new step's
+            if new is None or not (new.manifest or new.pinned_manifest):
+                h.remove_manifest(step)
+
+    def forget(self, step: int, files: bool = True) -> None:
+        """Give this host's files of ``step`` back to the pool, its manifest removed (the round
+        thread, under the lock); a failed step leaves the catalog, its error kept for late
+        waiters. Without ``files``, only what this host noted of it goes."""
         h = self.host
         self.settled.pop(step, None)
         h.announced.discard(step)
         for key in [key for key in h.t_alloc if key[0] == step]:
             del h.t_alloc[key]
+        h.catalog.drop_failed(step)
+        if not files:
+            return
         loc = h.local.pop(step, None)
         if loc is not None:
             for name in loc.buffers.values():
                 self.leases.free(name)
             h.pool.release(loc.parity)
-        h.catalog.drop_failed(step)
         h.remove_manifest(step)

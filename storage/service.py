@@ -157,17 +157,9 @@ class Service:
             rec = h.catalog.steps.get(step)
             # A rank may put an unfinished step again (a restarted trainer redoing it): its new
             # shard replaces the old one. Once every rank has staged it, the step is written.
-            if rec is not None and rec.state not in (StepState.STAGING, StepState.LOST):
-                raise StepExistsError(
-                    f"step {step} was already put by every rank (it is {rec.state}; steps are "
-                    "write-once); delete it first or put a new step"
-                    + (
-                        " (a pinned step is gone for readers, but later steps still refer to "
-                        "its tensors)"
-                        if rec.state == StepState.PINNED
-                        else ""
-                    )
-                )
+            why = h.catalog.refusal(step)
+            if why is not None:
+                raise StepExistsError(why)
             if (step, rank) in h.pending:
                 raise StepExistsError(f"rank {rank} is already putting step {step}")
             if rec is not None and rec.world_size and rec.world_size != world:
@@ -605,13 +597,19 @@ class Service:
             rec = h.catalog.steps.get(step)
             return rec is None or rec.state == StepState.PINNED
 
+        disk = step in self.tier.steps()
         with h.lock:
-            if gone():
+            if gone() and not disk:
                 raise StepNotFoundError(f"step {step} is not held on job {h.config.job!r}", step)
         h.emit(Delete(step))
         h.wait_for(gone, h.config.peer_timeout, f"deleting step {step}")
-        h.after_next_round()  # every host has removed its manifest: a restart agrees
-        return {}
+        # every daemon has applied the delete; the next round's local work removes the manifests
+        # (storage.rounds.Rounds.retiring), so the round after it completes once every host has:
+        # a restart then agrees that the step is gone
+        h.after_next_round()
+        h.after_next_round()
+        self.tier.remove(step)  # the disk is shared: gone before the answer (and no restart
+        return {}  # puts it back); the first daemon removes it again after a queued publish
 
     def _op_info(self, msg: PlainRequest, conn: int) -> dict[str, Any]:
         """Counters for benchmarks and status: bytes held and moved, health, repairs."""

@@ -86,7 +86,9 @@ class Tier:
             return
         if rec.step % h.config.persist_every:
             return
-        on_disk = persist.step_dir(self.root, h.config.job, rec.step).exists()  # put back
+        # a step put back from disk is there already; any other is written, replacing what the
+        # disk holds of its number (a step deleted and put again, or lost and put afresh)
+        on_disk = rec.step == self.restoring
         mine: list[tuple[int, ShardRecord, ShardRecord | None]] = []
         if not on_disk:
             for r, shard in sorted(rec.shards.items()):
@@ -174,6 +176,28 @@ class Tier:
         if h.rank == 0 and self._writer is not None and self.root is not None:
             partial = persist.partial_dir(self.root, h.config.job, event.step)
             self._writer.submit(shutil.rmtree, partial, True)
+
+    def deleted(self, step: int) -> None:
+        """``step`` was deleted (the round thread, every daemon): never published, and the first
+        daemon removes it from disk after whatever its writer had queued (a publish of it)."""
+        h = self.host
+        if self._writer is None or self.root is None:
+            return
+        if step in self.unpublished:
+            self.broken.add(step)
+        if h.rank == 0:
+            self._writer.submit(self.remove, step)
+
+    def remove(self, step: int) -> bool:
+        """Remove ``step``'s directories from disk now; whether it was published there."""
+        if self.root is None:
+            return False
+        job = self.host.config.job
+        final = persist.step_dir(self.root, job, step)
+        was = (final / "manifest.json").is_file()
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(persist.partial_dir(self.root, job, step), ignore_errors=True)
+        return was
 
     def written_everywhere(self, upto: int) -> None:
         """Every daemon has written every queued step up to ``upto``: the first daemon publishes
