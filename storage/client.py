@@ -35,6 +35,7 @@ from storage.config import DEFAULT_ROOT, check_name, host_dir
 from storage.errors import (
     DaemonUnavailableError,
     DaemonUntrustedError,
+    StepExistsError,
     StepNotFoundError,
     StorageError,
     from_wire,
@@ -576,8 +577,9 @@ class Store:
                     handle.step, last if base is not None else None, digest(table)
                 )
         except BaseException as exc:
-            try:
-                self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
+            try:  # refused before it allocated (the step exists): nothing to give back
+                if not isinstance(exc, StepExistsError):
+                    self._request({"op": "abort", "step": handle.step, "rank": meta["rank"]})
             except StorageError:
                 pass
             handle.staged.set_exception(exc)

@@ -292,6 +292,11 @@ class Service:
             name = h.pending.get((step, rank))
             if not name or name != msg.get("buffer"):
                 raise StorageError(f"step {step} rank {rank} was not allocated on this host")
+            if h.pending_conn.get((step, rank)) != conn:
+                raise StorageError(
+                    f"step {step} rank {rank} was allocated by another connection: two processes "
+                    f"put as rank {rank} (check RANK / the rank given to storage.connect)"
+                )
             size = h.pool.get(name).size
             if nbytes > size:
                 # its chunks would lie past the file's end, and the group's exchange would hang
@@ -300,18 +305,19 @@ class Service:
                     f"bad request 'staged': nbytes {nbytes} is more than the {size} bytes of "
                     f"the buffer alloc gave step {step} rank {rank}"
                 )
+            base = msg.get("base", -1)
+            if base >= 0 and h.catalog.pins.get((step, rank)) != base:
+                # the put stays allocated: its abort (or its connection's end) frees the buffer
+                raise StorageError(
+                    f"step {step} rank {rank} refers to step {base}, which this put did not "
+                    "announce in its alloc; put the whole shard"
+                )
             del h.pending[(step, rank)]
             h.pending_conn.pop((step, rank), None)
             h.announced.add(step)
             t_alloc = h.t_alloc.get((step, rank))
             if t_alloc is not None:
                 h.latency.stage.observe(time.monotonic() - t_alloc)
-            base = msg.get("base", -1)
-            if base >= 0 and h.catalog.pins.get((step, rank)) != base:
-                raise StorageError(
-                    f"step {step} rank {rank} refers to step {base}, which this put did not "
-                    "announce in its alloc; put the whole shard"
-                )
             shard = ShardRecord(rank, h.slot, nbytes, name, (table[0], table[1]), base)
             h.events.append(Staged(step, world, shard))
             h.stats["staged_bytes"] += nbytes
@@ -324,11 +330,20 @@ class Service:
     def _op_abort(self, msg: AbortRequest, conn: int) -> dict[str, Any]:
         h = self.host
         step, rank = msg["step"], msg["rank"]
+        key = (step, rank)
         with h.lock:
-            name = h.pending.pop((step, rank), None)
-            h.pending_conn.pop((step, rank), None)
-            early = h.early_pins.pop((step, rank), None)
-            pinned = (step, rank) in h.catalog.pins or early is not None
+            # only the connection that allocated a put may give it up (another process with
+            # the same rank, or a put refused before it allocated, leaves it alone)
+            name = None
+            early = None
+            mine = h.pending_conn.get(key) == conn
+            if mine:
+                name = h.pending.pop(key, None)
+                h.pending_conn.pop(key, None)
+                h.t_alloc.pop(key, None)
+            if key in h.early_pins and h.early_pins[key][1] == conn:
+                early = h.early_pins.pop(key)
+            pinned = (mine and key in h.catalog.pins) or early is not None
         h.pool.release(name or None)
         if pinned:
             h.emit(Unpin(step, rank))
@@ -465,8 +480,15 @@ class Service:
         if type(base) is not int or base < 0:
             raise StorageError(f"step must be an int >= 0, got {base!r}")
         for _attempt in range(3):
-            self._resolve(referrer)  # kept, so its base is kept too
+            ref = self._resolve(referrer)  # kept, so its base is kept too
             with h.lock:
+                # only the base the referrer's shard names (a pinned step is no one else's to
+                # read); a shard of another group's rank is checked by the host that holds it
+                mine = ref.shards.get(rank)
+                if mine is not None and mine.base != base:
+                    raise StepNotFoundError(
+                        f"step {referrer} rank {rank} does not refer to step {base}", base
+                    )
                 rec = h.catalog.steps.get(base)
                 shard = rec.shards.get(rank) if rec is not None and rec.state.held else None
             reply = self._serve(base, shard, rank, meta_only, conn)
