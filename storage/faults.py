@@ -18,12 +18,15 @@ A spec is a comma-separated list of faults, each ``KIND@POINT`` with ``:key=valu
                                                         fails as if /dev/shm were full
     ECSNAP_FAULTS="delay@serving:host=host0:seconds=3"  host0 holds its 1st local read 3 s
                                                         between checking a shard and replying
+    ECSNAP_FAULTS="delay@persisting:host=host0:seconds=3"  host0's disk writer holds its 1st
+                                                        step 3 s before it checks and writes it
 
 Points: ``staging`` (a trainer's allocation), ``encoding``, ``sending`` (bulk sends of a step
 posted), ``committing`` (a step protected, its manifest about to be written), ``rebuilding``
 (a repair about to move chunks), ``serving`` (a read of a shard held here, checked and about
-to be answered), ``send`` (one bulk MPI message), ``alloc`` (one shared-memory buffer taken from
-the pool). Kinds: ``kill`` (any point), ``drop`` (``send``), ``delay`` (``send``, ``serving``),
+to be answered), ``persisting`` (the disk writer about to check and write a step), ``send``
+(one bulk MPI message), ``alloc`` (one shared-memory buffer taken from the pool). Kinds:
+``kill`` (any point), ``drop`` (``send``), ``delay`` (``send``, ``serving``, ``persisting``),
 ``enospc`` (``alloc``). ``nth`` counts that point's hits in this process (default 1); each fault
 fires once, and says so on stderr (``injected fault: KIND@POINT``).
 """
@@ -47,7 +50,7 @@ __all__ = ["Fault", "FaultSpecError", "FaultyLinks", "FaultyPool", "Hooks", "par
 KINDS = {
     "kill": {"staging", "encoding", "sending", "committing", "rebuilding", "send", "alloc"},
     "drop": {"send"},
-    "delay": {"send", "serving"},
+    "delay": {"send", "serving", "persisting"},
     "enospc": {"alloc"},
 }
 

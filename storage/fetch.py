@@ -108,6 +108,19 @@ class Fetcher:
             for c, ref in enumerate(rec.blobs[h.slot].chunks)
             if ref.rank == f.rank
         ]
+        if f.table_only:
+            # only the table travels: the chunks it lies in are checked here, before it goes
+            # (the reader parses it), and a bad one is named instead, for the group to repair
+            off, length = shard.table
+            array = h.pool.get(shard.buffer).file.array
+            bad = [
+                c
+                for c, o, n, want in chunks
+                if o < off + length and off < o + n and checksum(array[o : o + n]) != want
+            ]
+            if bad:
+                h.stats["checksum_failures"] += len(bad)
+                return Offer(f.id, f.to, h.slot, 0, [-1, -1], [[c] for c in bad], "checksum")
         self._sending[f.id] = (shard.buffer, shard.table if f.table_only else None)
         nbytes = shard.table[1] if f.table_only else shard.nbytes
         return Offer(f.id, f.to, h.slot, nbytes, list(shard.table), [] if f.table_only else chunks)
@@ -115,6 +128,8 @@ class Fetcher:
     @charged("fetch")
     def _send(self, o: Offer) -> None:
         h = self.host
+        if o.error == "checksum":
+            return  # nothing is sent: the reader asks for a repair
         buffer, table = self._sending.pop(o.id)
         array = h.pool.get(buffer).file.array
         view = array[table[0] : table[0] + table[1]] if table is not None else array[: o.nbytes]
@@ -133,12 +148,20 @@ class Fetcher:
             f, _ = self.waiting.pop(o.id, (None, 0))
         if f is None:
             return
+        if o.error == "checksum":
+            self._finish(o.id, {"bad": [c[0] for c in o.chunks], "slot": o.holder})
+            return
         if f.table_only:
             raw = np.empty(o.nbytes, dtype=np.uint8)
             h.links.wait(
                 h.links.irecv(raw, src, TAG_FETCH), "table fetch", busy=True, transfer=True
             )
-            self._finish(o.id, {"meta": json.loads(raw.tobytes())})
+            try:  # checked by its holder; a bad table is the reader's error, not the daemon's
+                meta = json.loads(raw.tobytes())
+            except ValueError as exc:
+                self._finish(o.id, {"error": f"its tensor table does not parse: {exc}"})
+                return
+            self._finish(o.id, {"meta": meta})
             return
         path = h.dir / "tmp" / f"fetch-{o.id}"
         try:

@@ -234,6 +234,7 @@ def publish(root: Path, job: str, step: int, world_size: int, ranks: dict[int, A
         "world_size": world_size,
         "ranks": {str(r): ranks[r] for r in sorted(ranks)},
     }
+    manifest["checksum"] = _digest(manifest)  # the only copy of the non-tensor state
     tmp = partial / "manifest.json"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -251,6 +252,11 @@ def publish(root: Path, job: str, step: int, world_size: int, ranks: dict[int, A
     return final
 
 
+def _digest(manifest: dict[str, Any]) -> int:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 def manifest(root: Path, job: str, step: int) -> dict[str, Any]:
     """The manifest of a complete persisted step; :class:`PersistError` if absent or bad."""
     path = step_dir(root, job, step) / "manifest.json"
@@ -260,6 +266,8 @@ def manifest(root: Path, job: str, step: int) -> dict[str, Any]:
         raise PersistError(f"step {step} is not on disk in {path.parent}: {exc}") from exc
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("step") != step:
         raise PersistError(f"{path} is not an {FORMAT} manifest of step {step}")
+    if "checksum" in m and m["checksum"] != _digest(m):  # (written since it has one)
+        raise PersistError(f"{path} fails its CRC-32 checksum: the file is corrupted")
     if len(m.get("ranks", {})) != m.get("world_size"):
         raise PersistError(f"{path}: {len(m.get('ranks', {}))} ranks of {m.get('world_size')}")
     return m

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from codec import checksum
 from storage import persist
 from storage.catalog import StepRec, StepState
 from storage.cpu import charged
@@ -48,6 +49,16 @@ def _write_json(path: Path, body: Any) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(body, f, separators=(",", ":"))
+
+
+def _chunk_checks(rec: StepRec, slot: int, rank: int) -> list[tuple[int, int, int]]:
+    """(offset, length, checksum) of each data chunk of ``rank``'s shard held on ``slot``."""
+    crc = rec.stored.get(slot, {}).get("data", [])
+    return [
+        (ref.offset, ref.length, crc[c] if c < len(crc) else -1)
+        for c, ref in enumerate(rec.blobs[slot].chunks)
+        if ref.rank == rank
+    ]
 
 
 def _lower_priority() -> None:
@@ -90,22 +101,32 @@ class Tier:
         # disk holds of its number (a step deleted and put again, or lost and put afresh)
         on_disk = rec.step == self.restoring
         mine: list[tuple[int, ShardRecord, ShardRecord | None]] = []
+        checks: dict[str, list[tuple[int, int, int]]] = {}  # buffer -> its chunks' checksums
         if not on_disk:
             for r, shard in sorted(rec.shards.items()):
                 if shard.slot != h.slot:
                     continue
                 held = h.catalog.steps.get(shard.base) if shard.base >= 0 else None
-                mine.append((r, shard, held.shards.get(r) if held is not None else None))
+                base = held.shards.get(r) if held is not None else None
+                mine.append((r, shard, base))
+                checks[shard.buffer] = _chunk_checks(rec, h.slot, r)
+                if base is not None and held is not None:
+                    checks[base.buffer] = _chunk_checks(held, h.slot, r)
         for _, shard, base in mine:
             self.leases.take(shard.buffer, PERSIST)  # kept past retention until written
             if base is not None:
                 self.leases.take(base.buffer, PERSIST)
         if not on_disk:
             self.unpublished[rec.step] = rec.world_size
-        self._writer.submit(self._write, rec.step, mine)
+        self._writer.submit(self._write, rec.step, mine, checks)
 
     @charged("persist")
-    def _write(self, step: int, mine: list[tuple[int, ShardRecord, ShardRecord | None]]) -> None:
+    def _write(
+        self,
+        step: int,
+        mine: list[tuple[int, ShardRecord, ShardRecord | None]],
+        checks: dict[str, list[tuple[int, int, int]]] | None = None,
+    ) -> None:
         """Write this host's shards of ``step`` to the partial directory (writer thread): each
         rank's safetensors file and its manifest entry beside it. A shard that refers to a base
         step is written whole, its unchanged tensors read from the base's shard: every step on
@@ -118,7 +139,18 @@ class Tier:
             if mine:
                 partial = persist.partial_dir(self.root, h.config.job, step)
                 partial.mkdir(mode=0o700, parents=True, exist_ok=True)
+            h.phase("persisting")
             written = 0
+            for name, chunks in (checks or {}).items():
+                # the bytes are checked before they go to disk under a checksum of their own:
+                # a bit flipped in memory is not persisted as good (a read repairs it)
+                array = h.pool.get(name).file.array
+                for off, n, want in chunks:
+                    if checksum(array[off : off + n]) != want:
+                        h.stats["checksum_failures"] += 1
+                        raise StorageError(
+                            f"a chunk of {name} fails its checksum here; not persisted"
+                        )
             for rank, shard, base in mine:
                 array = h.pool.get(shard.buffer).file.array
                 meta = h.shard_table(step, rank, shard)
