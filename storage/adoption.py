@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from storage import recovery
 from storage.catalog import StepRec, StepState
 from storage.errors import ConfigError
@@ -34,6 +36,10 @@ from storage.repair import Repairer
 from storage.tier import Tier
 
 __all__ = ["adopt"]
+
+# bytes a second a start-up rebuild is counted on at least, for how long the job waits for it
+# (measured here: 0.7-1.5 GB/s on 4 virtual hosts; a network of 1 Gbit/s moves 120 MB/s)
+REBUILD_FLOOR = 50e6
 
 
 def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) -> None:
@@ -225,6 +231,17 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     # deferring it served 25% sooner (0.71 s against 0.94 s for 1.5 GB, RS(3,1)), but a second
     # loss in the group right after the relaunch then lost the newest step (tried and measured).
     todo = sorted((s for s in erasures if s not in lost), reverse=True)
+    # The job waits for the slowest group's rebuild at its next collective: that wait is given
+    # the time the largest rebuild may take at a slow floor rate, beside the peer timeout (a
+    # rebuild longer than the peer timeout ended the job, and the next launch rebuilt again).
+    moved = 0
+    if todo:
+        rec0 = h.catalog.steps[todo[0]]
+        moved = sum(len(e.data) + len(e.parity) for e in erasures[todo[0]].values())
+        moved *= rec0.chunk_bytes * h.group.k  # k chunks move for each one rebuilt
+    reqs, most = h.links.start_allreduce(np.array([moved], dtype=np.int64), "max")
+    h.links.wait(reqs, "adoption (rebuild sizes)")
+    rebuild_wait = h.config.peer_timeout + float(most[0]) / REBUILD_FLOOR
     for i, step in enumerate(todo):
         if i:
             repairer.deferred.append((step, erasures[step]))
@@ -241,6 +258,8 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             f"adoption: rebuilt step {step} in {time.monotonic() - tr:.2f} s; "
             f"{len(todo) - 1} older step(s) left to rebuild while serving"
         )
+    if most[0]:
+        h.links.barrier("the rebuild before serving", timeout=rebuild_wait)
     h.stats["startup_rebuild_seconds"] = time.monotonic() - t2
     # files of steps that never became protected (the job died mid-put) are not state
     steps = h.catalog.steps

@@ -49,6 +49,9 @@ from transport.errors import ProtocolError
 
 __all__ = ["SaveHandle", "StepStatus", "Store", "connect"]
 
+# requests the daemon answers only after a round of the storage job (a base kept, a delete
+# applied everywhere, a shard fetched or repaired): they may take up to its peer timeout
+_JOB_WAITS = frozenset({"alloc", "staged", "delete", "get", "status"})
 # requests a restarted daemon can answer as well as the one that died
 _RETRYABLE = frozenset({"hello", "alloc", "get", "steps", "status", "info", "delete"})
 AHEAD_POLL = 0.2  # seconds between a Store's ``ahead`` requests while its daemon makes files,
@@ -146,6 +149,7 @@ class Store:
         self.incremental = incremental
         self._kept: dict[int, Any] = {}  # rank -> storage.delta.Kept of its newest protected put
         self.host, self.root, self.timeout = host, root, timeout
+        self._job_wait = timeout  # for requests that wait on the job (set by the hello)
         self.socket_path = host_dir(root, job, host) / "ctl.sock"
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a forked child shares the socket, but not the threads
@@ -182,6 +186,10 @@ class Store:
         conn, reply = self._connect(hello=True)
         assert reply is not None
         conn.sock.settimeout(self.timeout)  # a daemon that stops answering fails the call
+        # a request that waits on the storage job (a round, a peer) may take as long as the
+        # daemon gives its peers, and then the time to name the silent ones: never less
+        peer = float(reply.get("peer_timeout") or 0.0)
+        self._job_wait = max(self.timeout, 2 * peer + 5.0)
         return conn, reply
 
     def _connect(self, hello: bool) -> tuple[control.Connection, dict[str, Any] | None]:
@@ -261,17 +269,26 @@ class Store:
                 with self._lock:
                     if self._stale:  # the last request timed out: its reply may still come
                         self._reconnect()
+                    limit = self.timeout
                     try:
                         if self._unleases and message.get("op") != "unlease":
                             # leases live as long as their daemon: if it is gone, so are they
                             names, self._unleases[:] = list(self._unleases), []
                             self._conn.request({"op": "unlease", "buffers": names})
-                        reply = self._conn.request(message)
+                        waits = message.get("op") in _JOB_WAITS
+                        limit = self._job_wait if waits else self.timeout
+                        if waits:
+                            self._conn.sock.settimeout(limit)
+                        try:
+                            reply = self._conn.request(message)
+                        finally:
+                            if waits:
+                                self._conn.sock.settimeout(self.timeout)
                     except TimeoutError as exc:
                         self._stale = True
                         raise DaemonUnavailableError(
                             f"the daemon at {self.socket_path} did not answer "
-                            f"{message.get('op')!r} within {self.timeout:.0f}s (stopped, or "
+                            f"{message.get('op')!r} within {limit:.0f}s (stopped, or "
                             "stuck); nothing was changed by this call on this side. The next "
                             "call reconnects"
                         ) from exc

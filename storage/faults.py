@@ -26,9 +26,9 @@ posted), ``committing`` (a step protected, its manifest about to be written), ``
 (a repair about to move chunks), ``serving`` (a read of a shard held here, checked and about
 to be answered), ``persisting`` (the disk writer about to check and write a step), ``send``
 (one bulk MPI message), ``alloc`` (one shared-memory buffer taken from the pool). Kinds:
-``kill`` (any point), ``drop`` (``send``), ``delay`` (``send``, ``serving``, ``persisting``),
-``enospc`` (``alloc``). ``nth`` counts that point's hits in this process (default 1); each fault
-fires once, and says so on stderr (``injected fault: KIND@POINT``).
+``kill`` (any point), ``drop`` (``send``), ``delay`` (``send``, ``serving``, ``persisting``,
+``rebuilding``), ``enospc`` (``alloc``). ``nth`` counts that point's hits in this process
+(default 1); each fault fires once, and says so on stderr (``injected fault: KIND@POINT``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ __all__ = ["Fault", "FaultSpecError", "FaultyLinks", "FaultyPool", "Hooks", "par
 KINDS = {
     "kill": {"staging", "encoding", "sending", "committing", "rebuilding", "send", "alloc"},
     "drop": {"send"},
-    "delay": {"send", "serving", "persisting"},
+    "delay": {"send", "serving", "persisting", "rebuilding"},
     "enospc": {"alloc"},
 }
 

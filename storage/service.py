@@ -147,6 +147,7 @@ class Service:
             "chunk_bytes": h.chunk_bytes,
             "dir": str(h.dir),
             "reserve": h.config.reserve,
+            "peer_timeout": h.config.peer_timeout,
         }
 
     def _op_alloc(self, msg: AllocRequest, conn: int) -> dict[str, Any]:

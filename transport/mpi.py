@@ -179,11 +179,19 @@ class Links:
         sleep = self.poll if nap is None else nap
         longest = CONTROL_NAP if spin else 0.002
         tries = 0
+        left = len(reqs)
         while not MPI.Request.Testall(reqs):
             tries += 1
             if tries <= spin:
                 continue
             if time.monotonic() > deadline:
+                # requests still completing (a bulk send's pieces): the limit counts from the
+                # last one, as a receive's does (see _drain)
+                now_left = sum(1 for r in reqs if not r.Test())
+                if now_left < left:
+                    left = now_left
+                    deadline = time.monotonic() + limit
+                    continue
                 raise self._timed_out(reqs, what, limit)
             time.sleep(sleep)
             sleep = nap if nap is not None else min(sleep * 2, longest)
@@ -223,6 +231,9 @@ class Links:
                 gone = set(done)
                 pending = [r for i, r in enumerate(pending) if i not in gone]
                 tries, stalled, napping = 0, None, False
+                # a transfer that moves is healthy however long it takes (a rebuild of a
+                # large step runs in one wait): the limit counts from its last piece
+                deadline = max(deadline, time.monotonic() + limit)
                 continue
             if napping:
                 if time.monotonic() > deadline:
