@@ -162,6 +162,10 @@ class Store:
         self._waiters: set[control.Connection] = set()  # connections waiting for protection
         self._unprotected: set[SaveHandle] = set()  # staged, protection not known yet
         self._unleases: list[str] = []  # buffers whose views are all gone (appended by GC)
+        # ... sent with the next request, or by the unleaser thread soon after they go: an idle
+        # reader's leases kept retired steps' memory out of the daemon's pool for good
+        self._unlease_wake = threading.Event()
+        self._unleaser: threading.Thread | None = None
         self._last_put: SaveHandle | None = None
         self._copier: Any = None  # storage.gpu.DeviceCopier, made on the first CUDA put
         self._registry: Any = None
@@ -724,8 +728,36 @@ class Store:
                 self._request({"op": "release", "path": path})  # the mapping keeps the bytes
         if not reply.get("temp"):
             # the lease ends when the mapping goes: with its last view (torch, numpy, memoryview)
-            weakref.finalize(shm.mapping_owner(mm), self._unleases.append, reply["buffer"])
+            self._start_unleaser()
+            weakref.finalize(
+                shm.mapping_owner(mm),
+                _lease_gone,
+                self._unleases,
+                self._unlease_wake,
+                reply["buffer"],
+            )
         return mm
+
+    def _start_unleaser(self) -> None:
+        if self._unleaser is None or not self._unleaser.is_alive():
+            self._unleaser = threading.Thread(
+                target=_unleaser,
+                args=(weakref.ref(self), self._unlease_wake),
+                name="ecsnap-unlease",
+                daemon=True,
+            )
+            self._unleaser.start()
+
+    def _flush_unleases(self) -> None:
+        """Tell the daemon which leased buffers this process holds no view of any more."""
+        with self._lock:
+            if not self._unleases or self._closed or self._stale:
+                return
+            names, self._unleases[:] = list(self._unleases), []
+            try:
+                self._conn.request({"op": "unlease", "buffers": names})
+            except (OSError, ProtocolError):
+                pass  # a daemon gone: its leases went with it
 
     def structure(self, step: int | None = None, *, rank: int | None = None) -> tuple[int, Any]:
         """(step, structure) of what ``rank`` put at ``step``, touching none of its tensors.
@@ -842,6 +874,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        self._unlease_wake.set()  # its thread ends
         if os.getpid() != self._pid:
             return  # the parent's connection and mappings: this process must not shut them
         with self._lock:
@@ -924,6 +957,28 @@ def _say_what_was_abandoned() -> None:
                 "put it)",
                 file=sys.stderr,
             )
+
+
+UNLEASE_AFTER = 0.2  # seconds the unleaser waits after a view goes (others of a get go too)
+
+
+def _lease_gone(names: list[str], wake: threading.Event, name: str) -> None:
+    """The last view of a leased buffer went (a finalizer: any thread, never blocking)."""
+    names.append(name)
+    wake.set()
+
+
+def _unleaser(ref: weakref.ref[Store], wake: threading.Event) -> None:
+    """A Store's thread that sends its ended leases soon after their views go."""
+    while True:
+        wake.wait()
+        time.sleep(UNLEASE_AFTER)
+        wake.clear()
+        store = ref()
+        if store is None or store._closed:
+            return
+        store._flush_unleases()
+        del store
 
 
 def connect(

@@ -27,7 +27,7 @@ import numpy as np
 
 from codec import checksum
 from storage.cpu import charged
-from storage.errors import StepNotFoundError
+from storage.errors import StepNotFoundError, StorageError
 from storage.host import Host
 from storage.protocol import Fetch, Offer
 from transport import shm
@@ -46,6 +46,7 @@ class Fetcher:
         self.results: dict[str, dict[str, Any]] = {}  # fetch id -> result, for its reader
         # offers made: fetch id -> (buffer, the table's place if only the table is sent)
         self._sending: dict[str, tuple[str, tuple[int, int] | None]] = {}
+        self.abandoned: set[str] = set()  # fetch ids whose readers stopped waiting
 
     def busy(self) -> bool:
         return bool(self.requests or self.offers or self.waiting)
@@ -57,9 +58,20 @@ class Fetcher:
         h = self.host
         fid = h.next_id("f")
         h.emit(Fetch(fid, step, rank, h.slot, table_only))
-        h.wait_for(
-            lambda: fid in self.results, h.config.peer_timeout, f"fetching step {step} rank {rank}"
-        )
+        try:
+            h.wait_for(
+                lambda: fid in self.results,
+                h.config.peer_timeout,
+                f"fetching step {step} rank {rank}",
+            )
+        except StorageError:
+            with h.lock:
+                done = self.results.pop(fid, None)
+                if done is None:
+                    self.abandoned.add(fid)  # its file, if one comes, goes
+            if done is not None and "path" in done:
+                h.pool.temp_gone(done["path"])
+            raise
         with h.lock:
             result = self.results.pop(fid)
         if "error" in result:
@@ -180,17 +192,23 @@ class Fetcher:
             busy=True,
             transfer=True,
         )
+        h.pool.temp_made(path, max(o.nbytes, 1))
         bad = [c for c, off, n, crc in o.chunks if checksum(tmp.array[off : off + n]) != crc]
         tmp.close()
         result: dict[str, Any] = {"path": str(path), "size": max(o.nbytes, 1), "table": o.table}
         if bad:
             h.stats["checksum_failures"] += len(bad)
-            path.unlink(missing_ok=True)
+            h.pool.temp_gone(path)
             result = {"bad": bad, "slot": o.holder}
         self._finish(o.id, result)
 
     def _finish(self, fid: str, result: dict[str, Any]) -> None:
         h = self.host
         with h.cond:
+            if fid in self.abandoned:  # its reader gave up waiting: nobody will map the file
+                self.abandoned.discard(fid)
+                if "path" in result:
+                    h.pool.temp_gone(result["path"])
+                return
             self.results[fid] = result
             h.cond.notify_all()

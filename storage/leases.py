@@ -29,6 +29,7 @@ class Leases:
         with self.host.lock:
             holders = self.held.setdefault(name, {})
             holders[holder] = holders.get(holder, 0) + 1
+            self._count()
 
     def end(self, name: str, holder: int, every: bool = False) -> None:
         """One of ``holder``'s leases on ``name`` ends (``every``: all of them)."""
@@ -44,6 +45,13 @@ class Leases:
                 if name in self.deferred:
                     self.deferred.discard(name)
                     self.host.pool.release(name)
+            self._count()
+
+    def _count(self) -> None:
+        """How many buffers readers hold, and how many of those retention freed (their memory
+        stays out of the pool until the readers' views go): in ``info`` and /metrics."""
+        self.host.stats["leased_buffers"] = len(self.held)
+        self.host.stats["leased_freed_buffers"] = len(self.deferred)
 
     def end_all(self, holder: int) -> None:
         """``holder`` went away (a trainer's connection closed): its views went with it."""
@@ -56,5 +64,6 @@ class Leases:
         with self.host.lock:
             if self.held.get(name):
                 self.deferred.add(name)  # a trainer still holds views of it
+                self._count()
             else:
                 self.host.pool.release(name)

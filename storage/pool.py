@@ -88,10 +88,28 @@ class Pool:
         # free reserve files a trainer maps before its rank's first put (:meth:`claim`): name ->
         # the prefix of that rank's files, whose takes prefer them
         self.claims: dict[str, str] = {}
+        self.temps: dict[str, int] = {}  # temporary files for readers: path -> bytes (counted)
 
     @property
     def used(self) -> int:
-        return sum(b.size for b in self.files.values()) + self._making + sum(self.uncut.values())
+        return (
+            sum(b.size for b in self.files.values())
+            + self._making
+            + sum(self.uncut.values())
+            + sum(self.temps.values())
+        )
+
+    def temp_made(self, path: Path, size: int) -> None:
+        """A temporary file outside the pool (a shard fetched from another host, or read from
+        disk, for one reader) holds ``size`` bytes of shared memory until :meth:`temp_gone`."""
+        with self.lock:
+            self.temps[str(path)] = size
+
+    def temp_gone(self, path: Path | str) -> None:
+        """The temporary file at ``path`` is removed (its reader mapped it, or went away)."""
+        Path(path).unlink(missing_ok=True)
+        with self.lock:
+            self.temps.pop(str(path), None)
 
     def count(self, prefix: str, size: int) -> int:
         """Files of ``prefix`` of about ``size`` bytes, in use or free (steady state holds

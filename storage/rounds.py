@@ -218,8 +218,10 @@ class Rounds:
                     StepState.READY,
                     StepState.ENCODING,
                     StepState.PROTECTED,
+                    StepState.PINNED,
                 ):
-                    # every rank had staged it already: this late shard is not part of it
+                    # every rank had staged it already (or it is an older put, pinned here):
+                    # this late shard is not part of it, and must not wait here for good
                     for ev in self.waiting.pop(step):
                         h.pool.release(ev.shard.buffer)
                 elif rec is None or rec.state == StepState.LOST:

@@ -83,6 +83,8 @@ class Service:
         self.repairer = repairer
         self.snapshot = snapshot  # () -> Snapshot
         self.warmer: Warmer | None = None  # set by the daemon; ``ahead`` asks it
+        # temporary files handed to each connection's reads, until it releases them (or goes)
+        self.temps: dict[int, set[str]] = {}
 
     @charged("serve")
     def handle(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any] | None:
@@ -93,6 +95,9 @@ class Service:
             except RequestError as exc:
                 raise StorageError(f"bad request: {exc}") from exc
             reply: dict[str, Any] = getattr(self, f"_op_{op}")(request, id(conn))
+            if reply.get("temp"):  # the reader releases it once mapped, or it goes with it
+                with self.host.lock:
+                    self.temps.setdefault(id(conn), set()).add(str(reply["path"]))
             reply.setdefault("ok", True)
             return reply
         except StorageError as exc:
@@ -111,6 +116,10 @@ class Service:
         """A trainer went away: its views went with it, and so did the puts it was staging."""
         h = self.host
         self.leases.end_all(id(conn))
+        with h.lock:
+            temps = self.temps.pop(id(conn), set())
+        for path in temps:  # handed to a reader that went before it mapped them
+            h.pool.temp_gone(path)
         with h.lock:
             for key in [k for k, c in h.pending_conn.items() if c == id(conn)]:
                 del h.pending_conn[key]
@@ -560,7 +569,9 @@ class Service:
         path = Path(msg["path"])
         if path.parent != self.host.dir / "tmp":
             raise StorageError(f"{path} is not a temporary file of this daemon")
-        path.unlink(missing_ok=True)
+        with self.host.lock:
+            self.temps.get(conn, set()).discard(str(path))
+        self.host.pool.temp_gone(path)
         return {}
 
     def _op_unlease(self, msg: UnleaseRequest, conn: int) -> dict[str, Any]:

@@ -366,11 +366,12 @@ class Tier:
         except OSError as exc:
             msg = f"no memory to read step {step} rank {rank} from disk: {exc}"
             raise CapacityError(msg) from exc
+        h.pool.temp_made(path, max(total, 1))
         try:
             persist.read_rank(persist.step_dir(self.root, h.config.job, step), entry, tmp.array)
             tmp.array[off:total] = np.frombuffer(table, dtype=np.uint8)
         except StorageError:
-            path.unlink(missing_ok=True)
+            h.pool.temp_gone(path)
             raise
         finally:
             tmp.close()
