@@ -12,7 +12,10 @@ process (one :class:`storage.Store` each, on its own host), and check after ever
 Matrix: each fault x ``--trials`` randomized trials (host, occurrence, k/m). Faults: SIGKILL at
 each named phase (``transport.faults``), a dropped and a delayed MPI message, a failed shared
 memory allocation, wiping 1..m hosts of a group and m+1, a corrupted data chunk, parity chunk and
-manifest, a truncated chunk file. Results: JSON lines in ``bench/results/faults.jsonl``.
+manifest, a truncated chunk file; on jobs of several groups (``--hosts 8`` or ``12``), one
+group's daemons or the whole job's killed at each phase of a round (``kill-group@PHASE``,
+``kill-job@PHASE``: staging, encoding, sending, committing, retiring). Results: JSON lines in
+``bench/results/faults.jsonl``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ FAULTS = [
     "corrupt-manifest",
 ]
 
+# The crash points of a round, on jobs of several groups (--hosts 8 or 12): one group's daemons
+# killed at a phase, or the whole job's (each daemon at the same hit of it)
+PHASES = ["staging", "encoding", "sending", "committing", "retiring"]
+GROUP_FAULTS = [f"kill-group@{p}" for p in PHASES] + [f"kill-job@{p}" for p in PHASES]
+CRASHES = ("kill-group@", "kill-job@")
+INJECTED = ("kill@", "drop@", "delay@", "enospc@")  # one daemon's fault, by ECSNAP_FAULTS
+
 
 def _state(rank: int, step: int) -> dict[str, Any]:
     """What a rank puts at ``step``: 750 kB that change every step beside 3 MB that never do
@@ -102,6 +112,7 @@ class Job:
     root: Path
     k: int
     m: int
+    hosts: int = HOSTS
     job: str = field(default_factory=lambda: f"f{uuid.uuid4().hex[:8]}")
     proc: Any = None
     cluster: Cluster | None = None
@@ -120,7 +131,7 @@ class Job:
         try:
             self.cluster = Cluster(
                 self.root,
-                hosts=HOSTS,
+                hosts=self.hosts,
                 k=self.k,
                 m=self.m,
                 extra=["--chunk-bytes", "65536", "--keep", str(KEEP)],
@@ -146,7 +157,7 @@ class Job:
     def connect(self) -> None:
         self.close_stores()
         assert self.cluster is not None
-        self.stores = self.cluster.stores(HOSTS, timeout=CLIENT_TIMEOUT)
+        self.stores = self.cluster.stores(self.hosts, timeout=CLIENT_TIMEOUT)
 
     def close_stores(self) -> None:
         close_all(self.stores)
@@ -339,19 +350,47 @@ def _found(job: Job) -> int:
     return n
 
 
-def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
-    """One randomized trial of ``fault``; returns its outcome."""
+def _crash_spec(fault: str, hosts: int, k: int, m: int, rng: random.Random) -> str:
+    """``kill-group@P``: every daemon of a random group killed at its Nth hit of phase P (the
+    first death makes mpiexec end the rest wherever they are); ``kill-job@P``: every daemon of
+    the job at its Nth hit of P, the groups at different points of the same round."""
+    what, point = fault.split("@")
+    # past the first step, so that an acknowledged one is at stake (a daemon retires a step's
+    # files three times in a trial: steps 2-4, once steps 6-8 are protected)
+    nth = rng.randint(1, 3) if point == "retiring" else rng.randint(2, 6)
+    if what == "kill-job":
+        return f"kill@{point}:nth={nth}"
+    g = rng.randrange(hosts // (k + m))
+    return ",".join(
+        f"kill@{point}:host=host{i}:nth={nth}" for i in range(g * (k + m), (g + 1) * (k + m))
+    )
+
+
+def trial(fault: str, root: Path, rng: random.Random, hosts: int = HOSTS) -> dict[str, Any]:
+    """One randomized trial of ``fault`` on ``hosts`` virtual hosts; returns its outcome."""
     km = rng.choice([(3, 1), (2, 2)])
-    job = Job(root, *km)
+    job = Job(root, *km, hosts=hosts)
     problems: list[str] = []
     before = _shm_files(root)
-    host = rng.randrange(HOSTS)
+    host = rng.randrange(hosts)
     wiped: list[int] = []
     beyond = False
     damaged = False  # a file of a kept step was corrupted or cut
     steps = 4
     try:
-        if fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and fault != "kill@rebuilding":
+        if fault.startswith(("kill-group@", "kill-job@")):
+            steps = KEEP + 4  # retention (KEEP) retires steps 2-4 (1 is the frozen base)
+            if not job.start(_crash_spec(fault, hosts, *km, rng)):
+                problems.append("daemons did not start")
+                return _result(fault, job, problems, {}, km)
+            job.connect()
+            for step in range(1, steps + 1):
+                if not job.put(step, problems):
+                    break  # the job is going down
+            job.wait_exit()
+        elif (
+            fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and fault != "kill@rebuilding"
+        ):
             kind, point = fault.split("@")
             nth = rng.randint(1, 3) if point != "send" else rng.randint(1, 30)
             spec = f"{fault}:host=host{host}:nth={nth}"
@@ -383,7 +422,7 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
             if fault == "kill@rebuilding":
                 wiped = [host]
                 shutil.rmtree(root / job.job / f"host{host}")
-                other = rng.choice([h for h in range(HOSTS) if h != host])
+                other = rng.choice([h for h in range(hosts) if h != host])
                 spec = f"kill@rebuilding:host=host{other}:nth=1"
                 if job.start(spec):  # died during the rebuild, or the rebuild finished first
                     job.connect()
@@ -393,7 +432,7 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
             elif fault.startswith("wipe"):
                 group_m = km[1]
                 n = rng.randint(1, group_m) if fault == "wipe-1..m" else group_m + 1
-                wiped = rng.sample(range(HOSTS), n)
+                wiped = rng.sample(range(hosts // sum(km) * sum(km)), n)
                 beyond = n > group_m
                 for h in wiped:
                     shutil.rmtree(root / job.job / f"host{h}")
@@ -418,7 +457,7 @@ def trial(fault: str, root: Path, rng: random.Random) -> dict[str, Any]:
                     damaged = True
         # an injected fault is counted from the lines each launch logged: one that never fired
         # tested nothing
-        if fault.startswith(("kill@", "drop@", "delay@", "enospc@")) and not job.fired:
+        if fault.startswith((*CRASHES, *INJECTED)) and not job.fired:
             problems.append(f"the fault {fault} did not fire: the trial tested nothing")
         # relaunch without faults and check every step ever attempted
         if not job.start():
@@ -470,26 +509,32 @@ def _result(
     }
 
 
-def run_matrix(trials: int, seed: int, only: list[str] | None = None, record: bool = True) -> int:
+def run_matrix(
+    trials: int,
+    seed: int,
+    only: list[str] | None = None,
+    record: bool = True,
+    hosts: int = HOSTS,
+) -> int:
     rng = random.Random(seed)
     root = Path("/dev/shm") / f"ecsnap-faults-{uuid.uuid4().hex[:8]}"
     root.mkdir(mode=0o700)
     rec = Recorder(
-        "faults", {"trials": trials, "seed": seed, "hosts": HOSTS, "peer_timeout": PEER_TIMEOUT}
+        "faults", {"trials": trials, "seed": seed, "hosts": hosts, "peer_timeout": PEER_TIMEOUT}
     )
     rows = []
     failed = 0
-    net = [f for f in only or FAULTS + NET_FAULTS if f in NET_FAULTS]
+    net = [f for f in only or FAULTS + GROUP_FAULTS + NET_FAULTS if f in NET_FAULTS]
     lab = Lab.up(lab_faults.HOSTS, link_gbit=lab_faults.LINK_GBIT) if net else None
     try:
-        for fault in only or FAULTS + NET_FAULTS:
+        for fault in only or FAULTS + GROUP_FAULTS + NET_FAULTS:
             outcomes = []
             for i in range(trials):
                 t0 = time.monotonic()
                 if lab is not None and fault in NET_FAULTS:
                     out = lab_faults.trial(lab, fault, rng)
                 else:
-                    out = trial(fault, root, rng)
+                    out = trial(fault, root, rng, hosts)
                 out["seconds"] = time.monotonic() - t0
                 outcomes.append(out)
                 mark = "ok" if not out["problems"] else f"PROBLEMS {out['problems']}"
@@ -586,7 +631,7 @@ def run_soak(minutes: float, seed: int) -> int:
                 kills += 1
                 if action == "wipe-host":
                     shutil.rmtree(
-                        root / job.job / f"host{rng.randrange(HOSTS)}", ignore_errors=True
+                        root / job.job / f"host{rng.randrange(job.hosts)}", ignore_errors=True
                     )
                     wipes += 1
             if not job.start():
@@ -652,11 +697,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         nargs="*",
-        choices=FAULTS + NET_FAULTS,
+        choices=FAULTS + GROUP_FAULTS + NET_FAULTS,
         help="just these faults (the network faults run on a lab: root only)",
     )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=HOSTS,
+        help="virtual hosts of each job (8 or 12: two or three groups, for the group faults)",
+    )
     a = p.parse_args(argv)
-    return run_matrix(a.trials, a.seed, a.only)
+    return run_matrix(a.trials, a.seed, a.only, hosts=a.hosts)
 
 
 def soak_main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ A spec is a comma-separated list of faults, each ``KIND@POINT`` with ``:key=valu
                                                         step 3 s before it checks and writes it
 
 Points: ``staging`` (a trainer's allocation), ``encoding``, ``sending`` (bulk sends of a step
-posted), ``committing`` (a step protected, its manifest about to be written), ``rebuilding``
+posted), ``committing`` (a step protected, its manifest about to be written), ``retiring``
+(the files of a step retention or a delete dropped about to go), ``rebuilding``
 (a repair about to move chunks), ``serving`` (a read of a shard held here, checked and about
 to be answered), ``persisting`` (the disk writer about to check and write a step), ``send``
 (one bulk MPI message), ``alloc`` (one shared-memory buffer taken from the pool). Kinds:
@@ -48,7 +49,16 @@ from transport.mpi import Links
 __all__ = ["Fault", "FaultSpecError", "FaultyLinks", "FaultyPool", "Hooks", "parse"]
 
 KINDS = {
-    "kill": {"staging", "encoding", "sending", "committing", "rebuilding", "send", "alloc"},
+    "kill": {
+        "staging",
+        "encoding",
+        "sending",
+        "committing",
+        "retiring",
+        "rebuilding",
+        "send",
+        "alloc",
+    },
     "drop": {"send"},
     "delay": {"send", "serving", "persisting", "rebuilding"},
     "enospc": {"alloc"},

@@ -463,6 +463,7 @@ class Rounds:
         """Steps that left the catalog in an earlier round: their manifests and files go."""
         h = self.host
         while self.retiring and self.retiring[0][0] < h.rounds:
+            h.phase("retiring")
             _, step, loc = self.retiring.pop(0)
             for name in loc.buffers.values():
                 self.leases.free(name)
