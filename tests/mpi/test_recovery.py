@@ -14,6 +14,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import storage
 from bench.harness import REPO, Cluster, assert_same, make_state
 from storage.placement import Group, HostBlob, StripeLayout
@@ -355,4 +357,61 @@ def test_views_outlive_a_second_get_and_a_daemon_restart(shm_root: Path) -> None
     finally:
         for s in stores:
             s.close()
+        c.stop()
+
+
+@pytest.mark.parametrize(("hosts", "k", "m"), [(8, 3, 1), (12, 2, 2)], ids=["8h", "12h"])
+def test_playbook_on_several_groups(shm_root: Path, hosts: int, k: int, m: int) -> None:
+    """The playbook on two and three groups: the whole job killed mid-put, m hosts of every
+    group lost at once and rebuilt, a corrupted chunk in one group, more than m hosts of one
+    group lost (the error names that group's hosts and ranks)."""
+    names = [f"host{i}" for i in range(hosts)]
+    g = k + m
+    c = Cluster(shm_root, hosts=hosts, k=k, m=m)
+    try:
+        params = {"steps": [1, 2], "partial": [3], "partial_ranks": [0, g]}
+        trainers(c, "put", world=hosts, per_host=1, params=params)
+        assert _assert_data_crcs(shm_root, c.job, names, 2) > 0
+        c.kill()  # with step 3 half put, in two groups
+        c = c.relaunch()
+        # m hosts of every group lost at once: each group rebuilds its own
+        c.kill()
+        lost = [names[i * g + j] for i in range(hosts // g) for j in range(m)]
+        for name in lost:
+            shutil.rmtree(shm_root / c.job / name)
+        c = c.relaunch()
+        assert "rebuilt" in c.log.read_text()
+        [r] = trainers(
+            c, "check", world=hosts, per_host=1, only=[0], params={"steps": [1, 2]}, hosts=names
+        )
+        assert r["errors"] == {} and r["steps"] == [1, 2], r
+        assert r["info"]["health"] == "healthy"
+        # a flipped byte in the last group, found by a read from the first, repaired
+        last = hosts - 1
+        _flip(_data_file(shm_root, c.job, names[last], 2, last))
+        [r] = trainers(
+            c,
+            "check",
+            world=hosts,
+            per_host=1,
+            only=[0],
+            params={"steps": [2], "ranks": [last]},
+            hosts=names,
+        )
+        assert r["errors"] == {}, r
+        # more than m hosts of the second group: its ranks are named, the others' groups hold
+        c.kill()
+        beyond = names[g : g + m + 1]
+        for name in beyond:
+            shutil.rmtree(shm_root / c.job / name)
+        c = c.relaunch()
+        [r] = trainers(
+            c, "check", world=hosts, per_host=1, only=[0], params={"steps": [2]}, hosts=names
+        )
+        err = r["errors"][f"2/{g}"]
+        assert err["type"] == "unrecoverable", r
+        assert sorted(err["lost_hosts"]) == sorted(beyond), err
+        assert set(err["ranks"]) <= set(range(g, 2 * g)) and g in err["ranks"], err
+        assert r["steps"] == []
+    finally:
         c.stop()
