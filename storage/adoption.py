@@ -29,7 +29,7 @@ import numpy as np
 
 from storage import recovery
 from storage.catalog import StepRec, StepState
-from storage.errors import ConfigError
+from storage.errors import CapacityError, ConfigError
 from storage.host import Host, Local
 from storage.recovery import Erasures
 from storage.repair import Repairer
@@ -253,7 +253,12 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             f"{len(here.data) + len(here.parity)} of them here"
         )
         tr = time.monotonic()
-        repairer.repair(h.catalog.steps[step], erasures[step])
+        try:
+            repairer.repair(h.catalog.steps[step], erasures[step])
+        except CapacityError as exc:  # every host of the group alike (Repairer.repair)
+            h.log(f"adoption: rebuilding step {step} failed ({exc}); it is rebuilt while serving")
+            repairer.deferred.insert(0, (step, erasures[step]))
+            continue
         h.log(
             f"adoption: rebuilt step {step} in {time.monotonic() - tr:.2f} s; "
             f"{len(todo) - 1} older step(s) left to rebuild while serving"

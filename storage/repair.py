@@ -166,23 +166,47 @@ class Repairer:
         mine = erased.get(h.slot, Erasures())
         # fresh files for what this host lost whole
         changed: dict[str, Any] = {}
-        for c in sorted(mine.data):
-            rank = rec.blobs[h.slot].chunks[c].rank
-            if h.shard_buffer(rec, rank) is None:
-                nbytes = rec.shards[rank].nbytes
-                buf = h.pool.take(nbytes, f"r{rank}-")
-                rec.shards[rank] = replace(rec.shards[rank], buffer=buf.name)
-                changed.setdefault("buffers", {})[str(rank)] = buf.name
-        if mine.parity:
-            n = len(layout.parity_stripes[pos])
-            name = rec.parity.get(h.slot)
-            if name is None or h.file(name, n * cb) is None:
-                buf = h.pool.take(n * cb, "p")
-                rec.parity[h.slot] = buf.name
-                changed["parity"] = buf.name
+        before = (dict(rec.shards), dict(rec.parity))
+        taken: list[str] = []
+        short: CapacityError | None = None
+        try:
+            for c in sorted(mine.data):
+                rank = rec.blobs[h.slot].chunks[c].rank
+                if h.shard_buffer(rec, rank) is None:
+                    nbytes = rec.shards[rank].nbytes
+                    buf = h.pool.take(nbytes, f"r{rank}-")
+                    taken.append(buf.name)
+                    rec.shards[rank] = replace(rec.shards[rank], buffer=buf.name)
+                    changed.setdefault("buffers", {})[str(rank)] = buf.name
+            if mine.parity:
+                n = len(layout.parity_stripes[pos])
+                name = rec.parity.get(h.slot)
+                if name is None or h.file(name, n * cb) is None:
+                    buf = h.pool.take(n * cb, "p")
+                    taken.append(buf.name)
+                    rec.parity[h.slot] = buf.name
+                    changed["parity"] = buf.name
+        except CapacityError as exc:
+            short = exc
         # Senders wait here without spinning while the rebuilding host makes its files (~0.25 s
-        # per 375 MB): busy senders sharing its cores made that 5-10x slower (measured).
-        h.gl.barrier(f"repair of step {rec.step} (files ready)")
+        # per 375 MB): busy senders sharing its cores made that 5-10x slower (measured). The
+        # wait says whether every host could make its files: one that could not fails the
+        # repair on every host of the group alike (a host that left the wait alone, raising,
+        # left its peers waiting on it until the peer timeout ended the job).
+        flag = np.array([int(short is not None)], dtype=np.int64)
+        reqs, failed = h.gl.start_allreduce(flag, "max")
+        h.gl.wait(reqs, f"repair of step {rec.step} (files ready)")
+        if failed[0]:
+            for name in taken:
+                h.pool.release(name)
+            rec.shards.clear()
+            rec.shards.update(before[0])
+            rec.parity.clear()
+            rec.parity.update(before[1])
+            raise short or CapacityError(
+                f"repair of step {rec.step}: a host of the group had no memory for the files "
+                "it rebuilds (over --memory-budget or /dev/shm full)"
+            )
         h.phase("rebuilding")
         # Windows decoded by a second thread while the next one arrives (two sets of receive
         # rows). The senders nap between polls, so the decode has a core to itself (it did not

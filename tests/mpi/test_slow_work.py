@@ -67,3 +67,32 @@ def test_a_read_the_daemon_holds_past_the_client_timeout_is_waited_for(shm_root:
     finally:
         close_all(stores)
         assert c.stop() == 0
+
+
+def test_a_rebuild_without_memory_fails_alike_in_its_group_and_runs_again(shm_root: Path) -> None:
+    """A host that cannot make the files it rebuilds (here a full /dev/shm, injected once) fails
+    the repair on every host of its group alike, instead of leaving its peers waiting for it
+    until the job ended (#55, finding 9); the daemons serve, and the step is rebuilt while
+    serving."""
+    c = Cluster(shm_root, hosts=8, k=3, m=1, peer_timeout=PEER_TIMEOUT)
+    stores = c.stores(8)
+    small = {r: {"w": torch.full((300_000,), float(r))} for r in range(8)}
+    try:
+        for h in [s.put(1, small[r]) for r, s in enumerate(stores)]:
+            assert h.wait(60) == 1
+    finally:
+        close_all(stores)
+        c.kill()
+    shutil.rmtree(shm_root / c.job / "host1")
+    c = c.relaunch(env={"ECSNAP_FAULTS": "enospc@alloc:host=host1:nth=1"})
+    stores = c.stores(8)
+    try:
+        log = c.log.read_text()
+        assert "injected fault: enospc@alloc" in log, log[-3000:]  # the fault fired
+        assert "rebuilding step 1 failed" in log, log[-3000:]
+        for r, s in enumerate(stores):
+            assert torch.equal(s.get(1)["w"], small[r]["w"])
+        assert "rebuilt" in c.log.read_text()
+    finally:
+        close_all(stores)
+        assert c.stop() == 0
