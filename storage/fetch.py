@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from codec import checksum
+from storage.catalog import StepState
 from storage.cpu import charged
 from storage.errors import StepNotFoundError, StorageError
 from storage.host import Host
@@ -51,13 +52,15 @@ class Fetcher:
     def busy(self) -> bool:
         return bool(self.requests or self.offers or self.waiting)
 
-    def fetch(self, step: int, rank: int, table_only: bool = False) -> dict[str, Any]:
+    def fetch(
+        self, step: int, rank: int, table_only: bool = False, base_of: int = -1
+    ) -> dict[str, Any]:
         """``rank``'s shard of ``step`` here (a socket-service thread): ``{"path", "size",
         "table"}`` of a temporary file; with ``table_only``, ``{"meta"}``, its tensor table; or
         ``{"bad": [chunks], "slot"}`` if it failed its checksums on the way."""
         h = self.host
         fid = h.next_id("f")
-        h.emit(Fetch(fid, step, rank, h.slot, table_only))
+        h.emit(Fetch(fid, step, rank, h.slot, table_only, base_of))
         try:
             h.wait_for(
                 lambda: fid in self.results,
@@ -114,6 +117,14 @@ class Fetcher:
         shard = rec.shards.get(f.rank)
         if shard is None or shard.slot != h.slot or f.rank not in loc.buffers:
             return None
+        if rec.state == StepState.PINNED:
+            # gone for readers: only through a protected step whose shard of the rank names it
+            ref = h.catalog.steps.get(f.base_of)
+            mine = ref.shards.get(f.rank) if ref is not None else None
+            if ref is None or ref.state != StepState.PROTECTED or mine is None:
+                return None
+            if mine.base != f.step:
+                return None
         crc = rec.stored.get(h.slot, {}).get("data", [])
         chunks = [
             [c, ref.offset, ref.length, crc[c] if c < len(crc) else -1]

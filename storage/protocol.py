@@ -294,6 +294,9 @@ class Fetch(Event):
     rank: int
     to: int
     table_only: bool
+    # the protected step whose shard of ``rank`` refers to ``step`` (pinned, gone for readers:
+    # its holder serves it only to a reader of a step that refers to it); -1: a plain read
+    base_of: int = -1
 
 
 @dataclass(frozen=True)

@@ -501,7 +501,7 @@ class Service:
                     )
                 rec = h.catalog.steps.get(base)
                 shard = rec.shards.get(rank) if rec is not None and rec.state.held else None
-            reply = self._serve(base, shard, rank, meta_only, conn)
+            reply = self._serve(base, shard, rank, meta_only, conn, base_of=referrer)
             if reply is not None:
                 return reply
         raise StorageError(
@@ -509,7 +509,13 @@ class Service:
         )
 
     def _serve(
-        self, step: int, shard: ShardRecord | None, rank: int, meta_only: bool, conn: int
+        self,
+        step: int,
+        shard: ShardRecord | None,
+        rank: int,
+        meta_only: bool,
+        conn: int,
+        base_of: int = -1,
     ) -> dict[str, Any] | None:
         """The reply for ``rank``'s shard of ``step``: from this host's memory if ``shard`` is
         here, else fetched from the host holding it; None if chunks failed their checksums
@@ -550,7 +556,7 @@ class Service:
             self.repairer.request(step, h.slot, bad)
             return None
         # held by another host (of this group or another): it is fetched
-        result = self.fetcher.fetch(step, rank, table_only=meta_only)
+        result = self.fetcher.fetch(step, rank, table_only=meta_only, base_of=base_of)
         if "bad" in result:
             self.repairer.request(step, int(result["slot"]), result["bad"])
             return None

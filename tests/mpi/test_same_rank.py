@@ -74,6 +74,10 @@ def test_a_pinned_step_is_read_only_through_a_step_that_refers_to_it(shm_root: P
             stores[1]._request({"op": "get", "step": 1, "rank": 1, "base_of": 2})
         with pytest.raises(storage.StepNotFoundError):
             stores[1].get(1)
+        # from the other group (host4): fetched from host0, which checks the reference itself
+        assert torch.equal(stores[4].get(2, rank=0)["frozen"], frozen)
+        with pytest.raises(storage.StepNotFoundError, match="gone"):
+            stores[4]._request({"op": "get", "step": 1, "rank": 1, "base_of": 2})
     finally:
         close_all(stores)
         assert c.stop() == 0
