@@ -79,8 +79,14 @@ class Tier:
             if self.root is not None
             else None
         )
-        self.through = -1  # every step queued up to this one is written here
-        self.unpublished: dict[int, int] = {}  # step -> world size, written here, not yet public
+        # Writes are counted in the order they are queued, the same order on every daemon (each
+        # queues every newly protected step): ``through`` is the count written here. Not step
+        # numbers: a step deleted and put again is queued after higher ones, and was published
+        # as soon as queued, before its files were written (the higher one's count had passed).
+        self.queued = 0
+        self.through = 0
+        # step -> (world size, its count), written here, not yet public
+        self.unpublished: dict[int, tuple[int, int]] = {}
         self.broken: set[int] = set()  # steps some daemon failed to write
         self.restoring: int | None = None  # a step being put back from disk at start-up
 
@@ -116,9 +122,10 @@ class Tier:
             self.leases.take(shard.buffer, PERSIST)  # kept past retention until written
             if base is not None:
                 self.leases.take(base.buffer, PERSIST)
+        self.queued += 1
         if not on_disk:
-            self.unpublished[rec.step] = rec.world_size
-        self._writer.submit(self._write, rec.step, mine, checks)
+            self.unpublished[rec.step] = (rec.world_size, self.queued)
+        self._writer.submit(self._write, rec.step, mine, checks, self.queued)
 
     @charged("persist")
     def _write(
@@ -126,6 +133,7 @@ class Tier:
         step: int,
         mine: list[tuple[int, ShardRecord, ShardRecord | None]],
         checks: dict[str, list[tuple[int, int, int]]] | None = None,
+        count: int = 0,
     ) -> None:
         """Write this host's shards of ``step`` to the partial directory (writer thread): each
         rank's safetensors file and its manifest entry beside it. A shard that refers to a base
@@ -181,7 +189,7 @@ class Tier:
                 if base is not None:
                     self.leases.end(base.buffer, PERSIST)
             with h.lock:
-                self.through = step
+                self.through = count
             h.wake.set()
 
     def _yield_to_puts(self) -> None:
@@ -195,8 +203,8 @@ class Tier:
             time.sleep(0.002)
 
     def written_through(self) -> int | None:
-        """For this daemon's ballot: every step it queued up to this one is written (None
-        without a persistent tier)."""
+        """For this daemon's ballot: how many of the steps it queued are written, in queue
+        order (None without a persistent tier)."""
         return None if self._writer is None else self.through
 
     def failed(self, event: PersistFailed) -> None:
@@ -232,11 +240,11 @@ class Tier:
         return was
 
     def written_everywhere(self, upto: int) -> None:
-        """Every daemon has written every queued step up to ``upto``: the first daemon publishes
-        them (the round thread)."""
+        """Every daemon has written the first ``upto`` steps it queued: the first daemon
+        publishes them (the round thread)."""
         h = self.host
-        for step in sorted(s for s in self.unpublished if s <= upto):
-            world = self.unpublished.pop(step)
+        for step in sorted(s for s, (_, n) in self.unpublished.items() if n <= upto):
+            world = self.unpublished.pop(step)[0]
             if step in self.broken:
                 self.broken.discard(step)
                 continue
