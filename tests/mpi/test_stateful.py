@@ -178,7 +178,7 @@ def test_store_against_model(shm_root: Path, hosts: int, k: int, m: int) -> None
     run_state_machine_as_test(
         StoreMachine,
         settings=settings(
-            max_examples=3,
+            max_examples=2,
             stateful_step_count=12,
             deadline=None,
             database=None,
