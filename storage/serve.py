@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,33 @@ def parse_args(argv: Iterable[str] | None) -> ServeConfig:
     )
 
 
+def launch_check(size: int, environ: Mapping[str, str]) -> str | None:
+    """Why an MPI world of ``size`` daemons is not what the launcher started, or None: a world
+    of 1 where Slurm or a process manager says the step has more tasks means the daemons were
+    started without a way to find each other (srun's default ``--mpi=none`` gives them no PMI),
+    and each would run alone."""
+    if size != 1:
+        return None
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            break
+    else:
+        return None
+    if var.startswith("SLURM_"):
+        return (
+            f"MPI sees 1 daemon, but Slurm started {value} tasks ({var}): srun gave the daemons "
+            "no PMI to find each other (Slurm's default --mpi=none), so each would run alone. "
+            "Launch them with mpirun inside the allocation, one per node: `SLURM_OVERLAP=1 "
+            'mpirun -ppn 1 -n $SLURM_NNODES ecsnap serve ...` (README, "On a cluster")'
+        )
+    return (
+        f"MPI sees 1 daemon, but the launcher started {value} processes ({var}): this MPI "
+        "library is not the one the launcher speaks to; launch with the mpiexec of ecsnap's "
+        "environment (the mpich wheel: `which mpiexec` in its virtual environment)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
@@ -206,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD.Dup()
+    why = launch_check(comm.Get_size(), os.environ)
+    if why is not None:
+        print(f"ecsnap serve: {why}", file=sys.stderr)
+        return 2
     try:
         limits.check(raised, comm.Get_size(), socket.gethostname())
     except ConfigError as exc:  # this host's limit: the others may differ, so end the job

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from bench.harness import REPO
 from storage.config import CHUNK_BYTES, NET_CHUNK_BYTES
 from storage.errors import ConfigError
 from storage.serve import parse_args
@@ -43,3 +49,37 @@ def test_the_chunk_defaults_to_the_transports_and_an_explicit_one_stays() -> Non
     assert parse_args(["--job", "j", "--chunk-bytes", "8M"]).largest_chunk == 8 << 20
     with pytest.raises(ConfigError, match=r"--chunk-bytes must be in 4 KiB\.\.1 GiB"):
         parse_args(["--job", "j", "--chunk-bytes", "1K"])
+
+
+def test_a_world_of_one_under_srun_names_the_missing_pmi() -> None:
+    from storage.serve import launch_check
+
+    assert launch_check(4, {"SLURM_STEP_NUM_TASKS": "4"}) is None
+    assert launch_check(1, {}) is None  # a world of 1 alone: placement says it needs 2 hosts
+    assert launch_check(1, {"SLURM_NTASKS": "1", "PMI_SIZE": "1"}) is None
+    why = launch_check(1, {"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "32"})
+    assert why is not None and "srun gave the daemons no PMI" in why and "4 tasks" in why
+    assert "SLURM_OVERLAP=1 mpirun -ppn 1 -n $SLURM_NNODES" in why
+    why = launch_check(1, {"PMI_SIZE": "3"})
+    assert why is not None and "3 processes" in why and "mpiexec" in why
+
+
+def test_serve_started_by_srun_without_pmi_exits_2_saying_why(tmp_path: Path) -> None:
+    """The real process, as srun --mpi=none starts it: an MPI world of 1 (a singleton) with
+    Slurm's variables saying the step has 4 tasks."""
+    env = dict(os.environ, SLURM_STEP_NUM_TASKS="4", SLURM_NTASKS="4", SLURM_PROCID="2")
+    for var in ("PMI_SIZE", "PMI_RANK", "PMI_FD", "PMI_PORT"):
+        env.pop(var, None)
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    out = subprocess.run(
+        [sys.executable, "-m", "storage.cli", "serve", "--job", "j", "--root", str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 2, out
+    assert "srun gave the daemons no PMI" in out.stderr, out.stderr
+    assert list(root.iterdir()) == []  # nothing made
