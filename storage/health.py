@@ -8,12 +8,54 @@ tier's listing (disk I/O) is taken before the lock, never under it.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from storage.catalog import StepState
 from storage.host import Host
-from storage.protocol import Snapshot
+from storage.protocol import Snapshot, Staged
 from storage.tier import Tier
 
-__all__ = ["snapshot"]
+__all__ = ["in_flight", "snapshot"]
+
+
+def in_flight(h: Host) -> list[dict[str, Any]]:
+    """Every step in flight on this host (under the host's lock), oldest first: ``{"step",
+    "state", "age_s", "waiting_on"}``. Besides the steps in a lane (staging, ready, encoding),
+    the shards allocated or staged here that no round has taken yet: a round that does not
+    complete (a peer stopped) leaves them there, and this says so."""
+    now = time.monotonic()
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for step, rec in sorted(h.catalog.steps.items()):
+        if not rec.state.in_flight:
+            continue
+        seen.add(step)
+        if rec.state == StepState.STAGING:
+            of = rec.world_size or "?"
+            waiting = f"ranks: {rec.staged} of {of} staged (the rest have not put it)"
+        elif rec.state == StepState.READY:
+            done = rec.prepared + rec.prep_failed
+            waiting = f"hosts: {done} of {h.nslots} ready to encode"
+        else:
+            waiting = f"hosts: {rec.stored_count} of {h.nslots} stored their parity"
+        out.append(_flight(step, str(rec.state), now - h.first_seen.get(step, now), waiting))
+    # staged: taken from the events by the last round, or queued since (a round that does not
+    # complete leaves them queued)
+    staged = h.staged_waiting | {ev.step for ev in h.events if isinstance(ev, Staged)}
+    here = {s for s, _ in h.pending} | staged | h.wanted
+    since = now - h.last_round
+    for step in sorted(here - seen):
+        state = "staged here" if step in staged else "allocated here"
+        waiting = f"a round of the storage job (the last completed {since:.1f} s ago)"
+        if since > 2.0:
+            waiting += ": a peer daemon is not joining (stopped, wedged or gone?)"
+        out.append(_flight(step, state, now - h.first_seen.get(step, now), waiting))
+    return sorted(out, key=lambda f: -f["age_s"])
+
+
+def _flight(step: int, state: str, age: float, waiting: str) -> dict[str, Any]:
+    return {"step": step, "state": state, "age_s": round(age, 3), "waiting_on": waiting}
 
 
 def snapshot(
@@ -57,7 +99,7 @@ def snapshot(
                 "pinned_steps": sum(r.state == StepState.PINNED for r in h.catalog.steps.values()),
             },
             protected=h.catalog.protected(),
-            in_flight=sorted(s for s, r in h.catalog.steps.items() if r.state.in_flight),
+            in_flight=in_flight(h),
             pinned=sorted(s for s, r in h.catalog.steps.items() if r.state == StepState.PINNED),
             lost={str(s): r.lost for s, r in h.catalog.steps.items() if r.state == StepState.LOST},
             errors=dict(h.errors),

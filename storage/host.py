@@ -174,6 +174,11 @@ class Host:
         self.waiters = 0  # trainers waiting for a step's protection and the round that acks it
         self.early_pins: dict[tuple[int, int], tuple[int, int]] = {}  # dry alloc: (base, conn)
         self.wanted: set[int] = set()  # steps allocated here: the next round asks for their lane
+        # step -> when this host first saw it in flight (an allocation, a staged shard, a lane):
+        # the age ``ecsnap status`` and /metrics show; and when the last round completed
+        self.first_seen: dict[int, float] = {}
+        self.staged_waiting: set[int] = set()  # staged here, not yet taken by a round
+        self.last_round = time.monotonic()
         self.t_alloc: dict[tuple[int, int], float] = {}  # (step, rank) -> when the put began
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)

@@ -107,6 +107,17 @@ class SnapshotCollector(Collector):
             math.nan if snap.latest is None else snap.latest,
         )
         yield gauge("ecsnap_steps_held", "Protected steps held", len(snap.protected))
+        yield gauge(
+            "ecsnap_steps_in_flight",
+            "Steps being put on this host: in a lane, or allocated or staged here and not yet "
+            "taken by a round",
+            len(snap.in_flight),
+        )
+        yield gauge(
+            "ecsnap_oldest_in_flight_seconds",
+            "Age of the oldest step in flight here (0 with none): one that grows is stuck",
+            max((f["age_s"] for f in snap.in_flight), default=0.0),
+        )
         yield counter(
             "ecsnap_steps_protected",
             "Steps this daemon saw become protected",

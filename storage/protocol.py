@@ -617,7 +617,7 @@ class Snapshot:
     metadata_bytes: int
     stats: dict[str, float]
     protected: list[int]
-    in_flight: list[int]
+    in_flight: list[dict[str, Any]]  # {"step", "state", "age_s", "waiting_on"}, oldest first
     lost: dict[str, Any]
     errors: dict[str, int]
     last_error: str | None

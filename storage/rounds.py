@@ -187,6 +187,7 @@ class Rounds:
             for ev in events:
                 if isinstance(ev, Staged):
                     self.waiting.setdefault(ev.step, []).append(ev)
+                    h.first_seen.setdefault(ev.step, time.monotonic())
                 elif isinstance(ev, Prepared):
                     lane = cat.lane_of(ev.step)
                     if lane is not None:
@@ -232,6 +233,7 @@ class Rounds:
                     ballot.raise_job(Ballot.NEW_STEP_NEG, -step)
                 else:
                     h.wanted.discard(step)
+            h.staged_waiting = set(self.waiting)
             ballot.add_job(Ballot.RARE, len(rare_out))
             ballot.add_job(Ballot.GROUP, len(group_out))
             busy = bool(events) or bool(self.waiting) or bool(h.wanted)
@@ -259,6 +261,7 @@ class Rounds:
         g = h.group
         with h.cond:
             h.rounds += 1
+            h.last_round = time.monotonic()
             for pos, payload in enumerate(group_in):
                 for raw in payload or []:
                     self._group_event(g.slots[pos], raw)
@@ -266,6 +269,7 @@ class Rounds:
                 h.local.setdefault(rec.step, Local())
                 if not rec.state.in_flight:
                     self.settle = rec.world_size >= h.links.size
+                    h.first_seen.pop(rec.step, None)
             for payload in rare_in:
                 for raw in payload or []:
                     self._rare_event(raw)
@@ -338,6 +342,7 @@ class Rounds:
         if why is not None:  # older than the newest protected step: the same on every daemon
             cat.failed[step] = to_wire(StepExistsError(why))
             h.wanted.discard(step)
+            h.first_seen.pop(step, None)
             for ev in self.waiting.pop(step, []):
                 h.pool.release(ev.shard.buffer)
             return
@@ -479,6 +484,7 @@ class Rounds:
         h = self.host
         self.settled.pop(step, None)
         h.announced.discard(step)
+        h.first_seen.pop(step, None)
         for key in [key for key in h.t_alloc if key[0] == step]:
             del h.t_alloc[key]
         h.catalog.drop_failed(step)

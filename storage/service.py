@@ -164,6 +164,7 @@ class Service:
         h.phase("staging")
         step, rank, world, nbytes = msg["step"], msg["rank"], msg["world_size"], msg["nbytes"]
         with h.lock:
+            h.first_seen.setdefault(step, time.monotonic())
             rec = h.catalog.steps.get(step)
             # A rank may put an unfinished step again (a restarted trainer redoing it): its new
             # shard replaces the old one. Once every rank has staged it, the step is written.

@@ -236,6 +236,13 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
     latest = [int(h["latest"]) for h in hosts if h.get("latest") is not None]
     if latest:
         lines.append(f"newest protected step: {max(latest)}")
+    for h in hosts:
+        for f in h.get("in_flight") or []:
+            if isinstance(f, dict):
+                lines.append(
+                    f"in flight on {h['host']}: step {f['step']} {f['state']} for "
+                    f"{f['age_s']:.1f} s, waiting on {f['waiting_on']}"
+                )
     disk = sorted({int(x) for h in hosts for x in h.get("persisted") or []})
     where = next((h["persist_dir"] for h in hosts if h.get("persist_dir")), None)
     if where:
