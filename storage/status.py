@@ -164,6 +164,29 @@ def _gb(n: Any) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
+def _skew(hosts: list[dict[str, Any]]) -> list[str]:
+    """The job's parity against its data, and the hosts that hold none of the data: parity
+    costs m/k of the data only when every host of a group holds shards (a group whose data sits
+    on few hosts pays a whole chunk of parity per stripe for each of them)."""
+    up = [h for h in hosts if not h.get("missing") and not h.get("elsewhere")]
+    data = sum(int(h.get("data_bytes") or 0) for h in up)
+    parity = sum(int(h.get("parity_bytes") or 0) for h in up)
+    km = next(((h["k"], h["m"]) for h in up if h.get("k") and h.get("m")), None)
+    if not data or km is None:
+        return []
+    k, m = km
+    out = [f"job: parity {parity / data:.2f}x the data (m/k = {m / k:.2f})"]
+    empty = [h["host"] for h in up if not h.get("data_bytes")]
+    if empty:
+        out.append(
+            f"hosts holding no data: {', '.join(empty)}: every rank should put its own shard "
+            "(a save from rank 0 alone, or ranks on few hosts, leaves the others' parity to a "
+            "few shards, at more than m/k); data-parallel replicas that all hold the same state "
+            "can put one shard each"
+        )
+    return out
+
+
 def render(job: str, hosts: list[dict[str, Any]]) -> str:
     header = [
         "slot",
@@ -223,6 +246,7 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
                 f"{m / k:.2f}: its shards are small against the chunk size (whole chunks of "
                 "parity per stripe); a smaller --chunk-bytes brings it closer"
             )
+    notes += _skew(hosts)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     missing = sum(1 for h in hosts if h.get("missing"))
     lines = [f"job {job}: {len(hosts)} slot(s)" + (f", {missing} MISSING" if missing else "")]

@@ -71,3 +71,24 @@ def test_a_step_stuck_on_a_stopped_daemon_is_shown_with_its_age_and_cause(
     finally:
         close_all(stores)
         assert c.stop() == 0
+
+
+def test_status_shows_the_jobs_parity_and_names_the_hosts_holding_no_data(
+    shm_root: Path,
+) -> None:
+    """#61, item 5: two ranks on 8 virtual hosts (two groups): the other six hosts hold no data,
+    and the job's parity is far above m/k; status says both, and what to do."""
+    c = Cluster(shm_root, hosts=8, k=3, m=1)
+    stores = c.stores(2)  # ranks 0 and 1, on host0 and host1
+    try:
+        for h in [s.put(1, {"w": torch.full((300_000,), float(r))}) for r, s in enumerate(stores)]:
+            assert h.wait(30) == 1
+        text = status.render(c.job, status.gather(c.job, c.root))
+        line = next(x for x in text.splitlines() if x.startswith("job: parity"))
+        ratio = float(line.split()[2].rstrip("x"))
+        assert ratio > 0.5 and "(m/k = 0.33)" in line, line
+        assert "hosts holding no data: host2, host3, host4, host5, host6, host7" in text, text
+        assert "every rank should put its own shard" in text
+    finally:
+        close_all(stores)
+        assert c.stop() == 0
