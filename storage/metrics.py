@@ -108,6 +108,12 @@ class SnapshotCollector(Collector):
         )
         yield gauge("ecsnap_steps_held", "Protected steps held", len(snap.protected))
         yield gauge(
+            "ecsnap_ahead_bytes",
+            "Shared memory made ahead of need for the next puts (free files, reserve aside); "
+            "at most two puts of the newest sizes (README, 'What a host holds')",
+            snap.stats.get("pool_ahead_free_bytes", 0),
+        )
+        yield gauge(
             "ecsnap_steps_in_flight",
             "Steps being put on this host: in a lane, or allocated or staged here and not yet "
             "taken by a round",

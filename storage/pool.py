@@ -248,6 +248,11 @@ class Pool:
                 "reserve_free_bytes": sum(
                     self.files[n].size for n in self.free if n.startswith(RESERVE)
                 ),
+                # made ahead of need for the next puts (free, not reserve), and readers' files
+                "pool_ahead_free_bytes": sum(
+                    self.files[n].size for n in self.free if not n.startswith(RESERVE)
+                ),
+                "pool_temp_bytes": sum(self.temps.values()),
             }
 
     def _name(self, prefix: str) -> str:

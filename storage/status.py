@@ -197,6 +197,7 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
         "data GB",
         "parity GB",
         "shm GB / budget",
+        "ahead GB",
         "degraded",
         "missing chunks",
         "checksum fails",
@@ -206,10 +207,10 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
     notes = []
     for h in hosts:
         if h.get("elsewhere"):
-            rows.append([str(h["slot"]), h["host"], "-", "on its machine", "-", *["-"] * 7])
+            rows.append([str(h["slot"]), h["host"], "-", "on its machine", "-", *["-"] * 8])
             continue
         if h.get("missing"):
-            rows.append([str(h["slot"]), h["host"], "-", "MISSING", "-", *["-"] * 7])
+            rows.append([str(h["slot"]), h["host"], "-", "MISSING", "-", *["-"] * 8])
             notes.append(
                 f"slot {h['slot']} ({h['host']}): no host directory; relaunch with a "
                 "replacement host (it takes the free slot and is rebuilt from its group)"
@@ -227,6 +228,7 @@ def render(job: str, hosts: list[dict[str, Any]]) -> str:
                 _gb(h.get("data_bytes")),
                 _gb(h.get("parity_bytes")),
                 f"{_gb(h.get('pool_bytes'))} / {_gb(budget) if budget else 'none'}",
+                _gb(stats.get("pool_ahead_free_bytes")) if stats else "-",
                 str(h.get("degraded_stripes", "-")),
                 str(int(stats.get("missing_chunks", 0))) if stats else "-",
                 str(int(stats.get("checksum_failures", 0))) if stats else "-",
