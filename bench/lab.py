@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storage.discovery import process_stat
+
 __all__ = ["Lab", "LabError", "LabJob", "janitor", "main"]
 
 PREFIX = "ecl"
@@ -94,13 +96,26 @@ class Lab:
     link_gbit: float | None = None
     memory: int | None = None
     pids: list[int] = field(default_factory=list)  # processes started in the hosts
+    # the process that made it, and that process's start time (a test run, a benchmark): the
+    # lab is in use while it lives; 0 for one made by `ecsnap lab up` (in use while anything
+    # runs in its hosts)
+    owner: int = 0
+    owner_start: int | None = None
 
     # -- making and unmaking ---------------------------------------------------------------------
 
     @classmethod
-    def up(cls, hosts: int = 4, link_gbit: float | None = None, memory: int | None = None) -> Lab:
+    def up(
+        cls,
+        hosts: int = 4,
+        link_gbit: float | None = None,
+        memory: int | None = None,
+        owned: bool = True,
+    ) -> Lab:
         """Make ``hosts`` hosts on a bridge; ``link_gbit`` shapes each link (tbf, both ways);
-        ``memory`` sizes each host's /dev/shm (a tmpfs)."""
+        ``memory`` sizes each host's /dev/shm (a tmpfs). ``owned``: the lab belongs to this
+        process (the janitor of another run leaves it alone while this process lives); the
+        command line's labs are not (they are in use while anything runs in them)."""
         _require_root()
         lab_id = secrets.token_hex(2)
         p = f"{PREFIX}{lab_id}"
@@ -116,10 +131,15 @@ class Lab:
             root=str(SHM_BASE / f"ecsnap-lab-{lab_id}"),
             link_gbit=link_gbit,
             memory=memory,
+            owner=os.getpid() if owned else 0,
+            owner_start=_start_time(os.getpid()) if owned else None,
         )
         lab.save()
         try:
             gw = str(net.network_address + 1)
+            # nothing sent to a lab address ever leaves the machine, even once the bridge (and
+            # its connected route) is gone: the subnet is unreachable but through the bridge
+            _run("ip", "route", "add", "unreachable", str(net), "metric", "4000")
             _run("ip", "link", "add", lab.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{gw}/{net.prefixlen}", "dev", lab.bridge)
             _run("ip", "link", "set", lab.bridge, "up")
@@ -180,8 +200,19 @@ class Lab:
         _run("ip", "link", "del", self.bridge, check=False)
         for ns in self.hosts:
             _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "route", "del", "unreachable", self.subnet, "metric", "4000", check=False)
         shutil.rmtree(self.root, ignore_errors=True)
         (STATE_DIR / f"{PREFIX}{self.id}.json").unlink(missing_ok=True)
+
+    def in_use(self) -> bool:
+        """Whether another run still uses this lab: its owner lives (a test run, a benchmark:
+        what runs in its hosts is that run's), or, for a lab without one (`ecsnap lab up`),
+        some process runs in its hosts. The janitor leaves a lab in use alone."""
+        if self.owner == os.getpid():
+            return False  # this run's own
+        if self.owner:
+            return _start_time(self.owner) == self.owner_start is not None
+        return any(_ns_pids(ns) for ns in self.hosts) or any(_alive(p) for p in self.pids)
 
     # -- using it ----------------------------------------------------------------------------------
 
@@ -477,10 +508,21 @@ def _is_daemon(pid: int) -> bool:
     return b"serve" in cmd and any(c.endswith((b"storage.cli", b"ecsnap")) for c in cmd)
 
 
+def _start_time(pid: int) -> int | None:
+    fields = process_stat(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
+
+
+def _alive(pid: int) -> bool:
+    return _start_time(pid) is not None
+
+
 def janitor() -> list[str]:
-    """Remove every lab's leftovers (a failed or killed run's): by state file, then anything
-    still named with the lab prefix. Returns what it removed."""
+    """Remove the leftovers of labs no run uses any more (a failed or killed run's): by state
+    file, then anything still named with the lab prefix that no lab in use owns. A lab in use
+    (:meth:`Lab.in_use`) is never touched. Returns what it removed."""
     removed = []
+    keep: set[str] = set()  # names of the labs in use: their namespaces, links, directories
     if STATE_DIR.is_dir():
         for path in STATE_DIR.glob(f"{PREFIX}*.json"):
             try:
@@ -488,11 +530,18 @@ def janitor() -> list[str]:
             except (OSError, ValueError, TypeError):
                 path.unlink(missing_ok=True)
                 continue
+            if lab.in_use():
+                keep.add(f"{PREFIX}{lab.id}")
+                continue
             lab.down()
             removed.append(lab.id)
+
+    def kept(name: str) -> bool:
+        return any(name.startswith(k) for k in keep)
+
     for ns in _run("ip", "netns", "list", check=False).stdout.split("\n"):
         name = ns.split(" ")[0]
-        if name.startswith(PREFIX):
+        if name.startswith(PREFIX) and not kept(name):
             for pid in _ns_pids(name):
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -504,10 +553,12 @@ def janitor() -> list[str]:
         parts = line.split(": ")
         if len(parts) > 1:
             name = parts[1].split("@")[0]
-            if name.startswith(PREFIX):
+            if name.startswith(PREFIX) and not kept(name):
                 _run("ip", "link", "del", name, check=False)
                 removed.append(name)
     for d in SHM_BASE.glob("ecsnap-lab-*"):
+        if kept(f"{PREFIX}{d.name.removeprefix('ecsnap-lab-')}"):
+            continue
         for sub in d.iterdir() if d.is_dir() else []:
             _run("umount", "-l", str(sub), check=False)
         shutil.rmtree(d, ignore_errors=True)
@@ -537,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "up":
-            lab = Lab.up(a.hosts, a.link_gbit, a.memory)
+            lab = Lab.up(a.hosts, a.link_gbit, a.memory, owned=False)
             print(f"lab {lab.id}: hosts {', '.join(lab.hosts)} on {lab.subnet}")
             return 0
         if a.cmd == "down" and a.all:

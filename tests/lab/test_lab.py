@@ -244,3 +244,66 @@ def test_network_faults_link_down_slow_link_and_a_stopped_daemon(lab: Lab) -> No
     finally:
         _close(stores)
         job.stop()
+
+
+def _lab_in(ids: str) -> bool:
+    return ids in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_the_janitor_leaves_a_lab_in_use_alone_and_nothing_leaves_for_a_lab_address() -> None:
+    """#59, item 6: a lab another live run made, or one from `ecsnap lab up` with a process
+    running in a host, is never removed by another run's janitor; once its owner is gone (or
+    nothing runs in it) it is. A lab's subnet is unreachable but through its bridge."""
+    if os.geteuid() != 0:
+        pytest.fail("the lab needs root (network namespaces, veth links, a bridge): run as root")
+    code = (
+        "import sys, time\nfrom bench.lab import Lab\nlab = Lab.up(2)\n"
+        "print(lab.id, lab.hosts[0], lab.subnet, lab.addrs[0], flush=True)\ntime.sleep(120)\n"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    made: Lab | None = None
+    try:
+        assert other.stdout is not None
+        lab_id, ns, subnet = other.stdout.readline().split()[:3]
+        janitor()
+        assert _lab_in(ns), "the janitor removed a lab whose owner runs"
+        routes = subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout
+        assert f"unreachable {subnet}" in routes, routes
+        other.kill()
+        other.wait()
+        assert lab_id in " ".join(janitor())
+        assert not _lab_in(ns)
+        routes = subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout
+        assert subnet not in routes, routes
+        # made from the command line (no owner): in use while a process runs in a host
+        made = Lab.up(2, owned=False)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", made.hosts[1], "sleep", "120"])
+        try:
+            time.sleep(0.5)
+            janitor()
+            assert _lab_in(made.hosts[0]), "the janitor removed a lab a process runs in"
+            # its bridge gone: an address of the lab is unreachable, never routed elsewhere
+            subprocess.run(["ip", "link", "del", made.bridge], check=True)
+            got = subprocess.run(
+                ["ip", "route", "get", made.addrs[0]], capture_output=True, text=True
+            )
+            said = (got.stdout + got.stderr).lower()
+            assert got.returncode != 0 or "unreachable" in said, got  # EHOSTUNREACH
+            assert "unreachable" in said or "no route to host" in said, got
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+        janitor()
+        assert not _lab_in(made.hosts[0])
+        made = None
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+        if other.stdout is not None:
+            other.stdout.close()
+        if made is not None:
+            made.down()
+        janitor()
