@@ -13,6 +13,12 @@ path ends in (see :mod:`storage.ids`; a path that names none, ``last.ckpt``, is 
 :meth:`SnapshotCheckpointIO.latest` names the newest protected step. ``remove_checkpoint``
 (``ModelCheckpoint``'s ``save_top_k``) deletes the step.
 
+``save_checkpoint`` returns once the checkpoint's bytes are copied into the daemon's memory
+(Lightning's ``AsyncCheckpointIO`` contract): training goes on while the daemons protect it. The
+protection of a save is waited for at the next save, a load, a removal of that step,
+:meth:`SnapshotCheckpointIO.latest` and ``teardown`` (the end of ``fit``), and its failure is
+raised there: never lost, and the last checkpoint is protected before ``fit`` returns.
+
 One process saves (Lightning calls ``save_checkpoint`` on global rank 0 only, with the whole
 checkpoint), so each step is one shard, rank 0 of world size 1; every process loads it, from
 its own host's daemon (a step held elsewhere is fetched). Strategies that save through DCP
@@ -83,6 +89,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         self.job, self.root, self.host, self.timeout = job, root, host, timeout
         self._store: storage.Store | None = None
         self._aliases: dict[str, int] = {}  # paths that named no step -> the step saved
+        self._pending: tuple[int, storage.SaveHandle] | None = None  # staged, not yet protected
 
     @property
     def store(self) -> storage.Store:
@@ -105,12 +112,21 @@ class SnapshotCheckpointIO(CheckpointIO):
             "SnapshotCheckpointIO.latest()"
         )
 
+    def _settle(self) -> None:
+        """Wait until the last save is protected; raise its failure here (once)."""
+        if self._pending is None:
+            return
+        _, handle = self._pending
+        self._pending = None
+        handle.wait()
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Put ``checkpoint`` as the step ``path`` names (else its ``global_step``) and wait
-        until it is protected. A path naming no step, saved at a step already protected (as
-        ``save_last`` does right after the step's own checkpoint), is an alias of that step."""
+        """Put ``checkpoint`` as the step ``path`` names (else its ``global_step``); return once
+        its bytes are staged (the previous save's protection is waited for first, and its
+        failure raised). A path naming no step, saved at a step already saved (as ``save_last``
+        does right after the step's own checkpoint), is an alias of that step."""
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
@@ -119,10 +135,14 @@ class SnapshotCheckpointIO(CheckpointIO):
         global_step = checkpoint.get("global_step")
         step = self._step(path, fallback=global_step if isinstance(global_step, int) else None)
         key = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
-        if not ids.valid(path) and step in self.store.steps():
+        saved = self._pending is not None and self._pending[0] == step
+        if not ids.valid(path) and (saved or step in self.store.steps()):
             self._aliases[key] = step
             return
-        self.store.put(step, _plain(checkpoint)).wait()
+        self._settle()
+        handle = self.store.put(step, _plain(checkpoint))
+        handle.staged.result()  # copied: the trainer may change its tensors from here on
+        self._pending = (step, handle)
         if not ids.valid(path):
             self._aliases[key] = step
 
@@ -132,6 +152,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         """The checkpoint of the step ``path`` names (or that :meth:`latest` named), its tensors
         copied out of shared memory (onto ``map_location``'s device when it names one)."""
         step = self._step(path)
+        self._settle()
         device = map_location if isinstance(map_location, (str, type(None))) else None
         if device is not None and str(device).startswith("cuda"):
             loaded = self.store.get(step, device=device)
@@ -148,6 +169,8 @@ class SnapshotCheckpointIO(CheckpointIO):
             step = self._step(path)
         except StorageError:
             return
+        if self._pending is not None and self._pending[0] == step:
+            self._settle()  # protected first, so that the delete finds it
         self._aliases = {k: v for k, v in self._aliases.items() if v != step}
         try:
             self.store.delete(step)
@@ -157,10 +180,16 @@ class SnapshotCheckpointIO(CheckpointIO):
     def latest(self) -> str | None:
         """A ``ckpt_path`` for ``trainer.fit`` naming the newest protected step, or None when
         there is none (a first run)."""
+        self._settle()
         step = self.store.latest_step()
         return None if step is None else f"ecsnap/{self.store.job}/step-{step}"
 
     def teardown(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        """The end of ``fit``: the last save is protected (its failure raised), then the
+        connection closes."""
+        try:
+            self._settle()
+        finally:
+            if self._store is not None:
+                self._store.close()
+                self._store = None

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import storage
 from bench.harness import REPO, Cluster, assert_same
 
 
@@ -61,3 +62,45 @@ def test_a_killed_run_resumes_from_ecsnap_as_from_lightnings_own_file(
             assert s.steps() == [7, 8, 9, 10]  # --keep 4
     finally:
         assert c.stop() == 0
+
+
+def test_a_save_returns_once_staged_and_its_failure_is_raised_at_the_next(
+    shm_root: Path,
+) -> None:
+    """#61, item 3: ``save_checkpoint`` returns once the bytes are in the daemon's memory, while
+    the step cannot be protected yet (a peer daemon stopped); its protection is waited for at
+    the next save, and a save whose protection failed (the storage job died) raises there, so no
+    failure is lost."""
+    import os
+    import signal
+
+    from storage.lightning import SnapshotCheckpointIO
+
+    c = Cluster(shm_root, hosts=8, k=3, m=1, peer_timeout=5.0)
+    io = SnapshotCheckpointIO(c.job, root=shm_root, host="host0", timeout=10.0)
+
+    def ckpt(step: int) -> dict[str, Any]:  # every tensor changes: no base to keep first
+        w = torch.arange(100_000, dtype=torch.float32) + step
+        return {"state_dict": {"w": w}, "global_step": step}
+
+    try:
+        io.save_checkpoint(ckpt(1), "epoch=0-step=1.ckpt")
+        assert io.latest() == f"ecsnap/{c.job}/step-1"  # waited for: protected
+        peer = c.daemon_pid("host1")
+        os.kill(peer, signal.SIGSTOP)
+        try:
+            io.save_checkpoint(ckpt(2), "epoch=0-step=2.ckpt")  # returns
+            assert io.store.steps() == [1]  # staged, not protected: host1 cannot join
+        finally:
+            os.kill(peer, signal.SIGCONT)
+        io.save_checkpoint(ckpt(3), "epoch=0-step=3.ckpt")  # 2 waited for
+        assert 2 in io.store.steps()
+        os.kill(c.daemon_pid("host1"), signal.SIGKILL)  # step 3's protection can never come
+        with pytest.raises(storage.StorageError):
+            io.save_checkpoint(ckpt(4), "epoch=0-step=4.ckpt")
+    finally:
+        try:
+            io.teardown()
+        except storage.StorageError:
+            pass
+        c.kill()
