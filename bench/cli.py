@@ -20,6 +20,7 @@ BENCHMARKS = {
     "scale": ("bench.scale", "main"),
     "faults": ("bench.faults", "main"),
     "descriptors": ("bench.descriptors", "main"),
+    "frameworks": ("bench.frameworks", "main"),
     "soak": ("bench.faults", "soak_main"),
 }
 
