@@ -148,6 +148,7 @@ def test_a_real_prometheus_scrapes_the_daemons_and_the_dashboard_has_data(
             "EcsnapDescriptorsNearLimit",
             "EcsnapAcceptFailing",
             "EcsnapDaemonFailed",
+            "EcsnapStepStuck",
         }, rules
         assert all(r["health"] in ("ok", "unknown") for r in rules.values()), rules
         fds = _query(web, f'process_open_fds{{job="{c.job}"}} / process_max_fds')
