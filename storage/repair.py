@@ -41,6 +41,7 @@ TAG_CHAIN = 1 << 10  # + the stripe's row in its window: a chain repair's partia
 # spinning (which takes the receiver's cores) and 1.2 GB/s sleeping 2 ms (measured).
 SENDER_NAP = 5e-5
 _REPAIR_ROWS = 64 << 20  # bytes of receive rows per set in a repair window
+_REPAIR_SCRATCH = ("repair0", "repair1", "send", "chain-in", "chain-own")  # given back after
 
 
 class Repairer:
@@ -226,7 +227,7 @@ class Repairer:
         # a chain window holds two rows a stripe (the partial sum received, and a short own
         # chunk padded), not k + 1: twice the stripes in flight for RS(3,1) in the same memory
         cwin = max(1, min(h.config.window, _REPAIR_ROWS // (2 * cb)))
-        chain_out = h.scratch("send", cwin, cb) if chain else None
+        chain_out = h.scratch("send", cwin, cb, fit=True) if chain else None
         for w0 in range(0, len(chain), cwin):
             tw = time.monotonic()
             rebuilt += self._chain_window(rec, layout, plan, chain[w0 : w0 + cwin], chain_out, cwin)
@@ -251,7 +252,7 @@ class Repairer:
         decoding: Future[None] | None = None
         with ThreadPoolExecutor(1, thread_name_prefix="ecsnap-decode") as decoder:
             for wi, w0 in enumerate(range(0, len(stripes), window)):
-                scratch = h.scratch(f"repair{wi % 2}", window * (k + 1), cb)
+                scratch = h.scratch(f"repair{wi % 2}", window * (k + 1), cb, fit=True)
                 reqs, jobs = self._post_window(
                     rec, layout, plan, stripes[w0 : w0 + window], scratch
                 )
@@ -296,6 +297,9 @@ class Repairer:
             bad = Erasures(left.data & mine.data, left.parity & mine.parity)
             if bad:
                 h.log(f"step {rec.step}: rebuilt chunks fail their checksums: {bad}")
+        # the rows go back: a daemon returns to its size after a rebuild (they are made again,
+        # 64 MiB a set, for the next one)
+        h.drop_scratch(_REPAIR_SCRATCH)
         h.stats["rebuilt_chunks"] += rebuilt
         h.stats["rebuilds"] += 1
         h.stats["rebuild_seconds"] += time.monotonic() - t0
@@ -329,8 +333,8 @@ class Repairer:
         pos = g.position(h.slot)
         k, cb = g.k, rec.chunk_bytes
         rs = h.codec(k, g.m)
-        partials = h.scratch("chain-in", window, cb)
-        own_rows = h.scratch("chain-own", window, cb)
+        partials = h.scratch("chain-in", window, cb, fit=True)
+        own_rows = h.scratch("chain-own", window, cb, fit=True)
         waiting: dict[int, list[Any]] = {}  # row -> the receives of its partial sum
         steps: dict[int, tuple[int, Any, int]] = {}  # row -> (coefficient, own chunk, next)
         finals: list[Any] = []
