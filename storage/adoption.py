@@ -25,8 +25,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 from storage import recovery
 from storage.catalog import StepRec, StepState
 from storage.errors import CapacityError, ConfigError
@@ -239,9 +237,8 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         rec0 = h.catalog.steps[todo[0]]
         moved = sum(len(e.data) + len(e.parity) for e in erasures[todo[0]].values())
         moved *= rec0.chunk_bytes * h.group.k  # k chunks move for each one rebuilt
-    reqs, most = h.links.start_allreduce(np.array([moved], dtype=np.int64), "max")
-    h.links.wait(reqs, "adoption (rebuild sizes)")
-    rebuild_wait = h.config.peer_timeout + float(most[0]) / REBUILD_FLOOR
+    most = h.links.max_of(moved, "adoption (rebuild sizes)")
+    rebuild_wait = h.config.peer_timeout + most / REBUILD_FLOOR
     for i, step in enumerate(todo):
         if i:
             repairer.deferred.append((step, erasures[step]))
@@ -263,7 +260,7 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
             f"adoption: rebuilt step {step} in {time.monotonic() - tr:.2f} s; "
             f"{len(todo) - 1} older step(s) left to rebuild while serving"
         )
-    if most[0]:
+    if most:
         h.links.barrier("the rebuild before serving", timeout=rebuild_wait)
     h.stats["startup_rebuild_seconds"] = time.monotonic() - t2
     # files of steps that never became protected (the job died mid-put) are not state

@@ -69,6 +69,18 @@ class StepRec:
         """Bytes of every rank's shard (the whole job's)."""
         return self.data_bytes
 
+    def chunk_checks(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """(blob chunk index, offset in the shard, length, checksum) of each data chunk of
+        ``rank``'s shard, on the host that holds it; -1 where no checksum is known (no chunk's
+        bytes match it)."""
+        slot = self.shards[rank].slot
+        crc = self.stored.get(slot, {}).get("data", [])
+        return [
+            (c, ref.offset, ref.length, crc[c] if c < len(crc) else -1)
+            for c, ref in enumerate(self.blobs[slot].chunks)
+            if ref.rank == rank
+        ]
+
 
 class Catalog:
     """Steps by number, as this host sees them (module docstring)."""

@@ -275,10 +275,8 @@ class Store:
                         self._reconnect()
                     limit = self.timeout
                     try:
-                        if self._unleases and message.get("op") != "unlease":
-                            # leases live as long as their daemon: if it is gone, so are they
-                            names, self._unleases[:] = list(self._unleases), []
-                            self._conn.request({"op": "unlease", "buffers": names})
+                        if message.get("op") != "unlease":
+                            self._send_unleases()
                         waits = message.get("op") in _JOB_WAITS
                         limit = self._job_wait if waits else self.timeout
                         if waits:
@@ -748,14 +746,21 @@ class Store:
             )
             self._unleaser.start()
 
-    def _flush_unleases(self) -> None:
-        """Tell the daemon which leased buffers this process holds no view of any more."""
-        with self._lock:
-            if not self._unleases or self._closed or self._stale:
-                return
+    def _send_unleases(self) -> None:
+        """Tell the daemon which leased buffers this process holds no view of any more (holding
+        ``_lock``; OSError and ProtocolError as the connection's)."""
+        if self._unleases:
+            # leases live as long as their daemon: if it is gone, so are they
             names, self._unleases[:] = list(self._unleases), []
+            self._conn.request({"op": "unlease", "buffers": names})
+
+    def _flush_unleases(self) -> None:
+        """:meth:`_send_unleases` from the unleaser's thread."""
+        with self._lock:
+            if self._closed or self._stale:
+                return
             try:
-                self._conn.request({"op": "unlease", "buffers": names})
+                self._send_unleases()
             except (OSError, ProtocolError):
                 pass  # a daemon gone: its leases went with it
 

@@ -125,12 +125,7 @@ class Fetcher:
                 return None
             if mine.base != f.step:
                 return None
-        crc = rec.stored.get(h.slot, {}).get("data", [])
-        chunks = [
-            [c, ref.offset, ref.length, crc[c] if c < len(crc) else -1]
-            for c, ref in enumerate(rec.blobs[h.slot].chunks)
-            if ref.rank == f.rank
-        ]
+        chunks = [list(check) for check in rec.chunk_checks(f.rank)]
         if f.table_only:
             # only the table travels: the chunks it lies in are checked here, before it goes
             # (the reader parses it), and a bad one is named instead, for the group to repair

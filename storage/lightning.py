@@ -99,12 +99,15 @@ class SnapshotCheckpointIO(CheckpointIO):
         self._delete_store: storage.Store | None = None
         self._deletes: list[Future[None]] = []
 
+    def _connect(self) -> storage.Store:
+        return storage.connect(
+            self.job, rank=0, world_size=1, root=self.root, host=self.host, timeout=self.timeout
+        )
+
     @property
     def store(self) -> storage.Store:
         if self._store is None:
-            self._store = storage.connect(
-                self.job, rank=0, world_size=1, root=self.root, host=self.host, timeout=self.timeout
-            )
+            self._store = self._connect()
         return self._store
 
     def _step(self, path: Any, fallback: int | None = None) -> int:
@@ -135,9 +138,7 @@ class SnapshotCheckpointIO(CheckpointIO):
     def _delete(self, step: int) -> None:
         """On the deleter's thread: delete ``step`` (gone already is no error)."""
         if self._delete_store is None:
-            self._delete_store = storage.connect(
-                self.job, rank=0, world_size=1, root=self.root, host=self.host, timeout=self.timeout
-            )
+            self._delete_store = self._connect()
         try:
             self._delete_store.delete(step)
         except StepNotFoundError:

@@ -97,15 +97,9 @@ class Repairer:
     @staticmethod
     def bad_chunks(rec: StepRec, rank: int, data: np.ndarray[Any, Any]) -> list[int]:
         """Blob chunk indexes of ``rank``'s shard (bytes in ``data``) that fail their checksum."""
-        shard = rec.shards[rank]
-        crc = rec.stored.get(shard.slot, {}).get("data", [])
-        bad = []
-        for c, ref in enumerate(rec.blobs[shard.slot].chunks):
-            if ref.rank == rank and (
-                c >= len(crc) or checksum(data[ref.offset : ref.offset + ref.length]) != crc[c]
-            ):
-                bad.append(c)
-        return bad
+        return [
+            c for c, off, n, want in rec.chunk_checks(rank) if checksum(data[off : off + n]) != want
+        ]
 
     def lost_slots(self, rec: StepRec, erased: dict[int, Erasures]) -> set[int]:
         """The slots with erasures in a group that lost more than m chunks of some stripe."""
@@ -194,10 +188,7 @@ class Repairer:
         # wait says whether every host could make its files: one that could not fails the
         # repair on every host of the group alike (a host that left the wait alone, raising,
         # left its peers waiting on it until the peer timeout ended the job).
-        flag = np.array([int(short is not None)], dtype=np.int64)
-        reqs, failed = h.gl.start_allreduce(flag, "max")
-        h.gl.wait(reqs, f"repair of step {rec.step} (files ready)")
-        if failed[0]:
+        if h.gl.max_of(int(short is not None), f"repair of step {rec.step} (files ready)"):
             for name in taken:
                 h.pool.release(name)
             rec.shards.clear()

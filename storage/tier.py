@@ -51,16 +51,6 @@ def _write_json(path: Path, body: Any) -> None:
         json.dump(body, f, separators=(",", ":"))
 
 
-def _chunk_checks(rec: StepRec, slot: int, rank: int) -> list[tuple[int, int, int]]:
-    """(offset, length, checksum) of each data chunk of ``rank``'s shard held on ``slot``."""
-    crc = rec.stored.get(slot, {}).get("data", [])
-    return [
-        (ref.offset, ref.length, crc[c] if c < len(crc) else -1)
-        for c, ref in enumerate(rec.blobs[slot].chunks)
-        if ref.rank == rank
-    ]
-
-
 def _lower_priority() -> None:
     """Run the calling thread at the lowest CPU priority (nice 19; on Linux, per thread)."""
     try:
@@ -107,7 +97,7 @@ class Tier:
         # disk holds of its number (a step deleted and put again, or lost and put afresh)
         on_disk = rec.step == self.restoring
         mine: list[tuple[int, ShardRecord, ShardRecord | None]] = []
-        checks: dict[str, list[tuple[int, int, int]]] = {}  # buffer -> its chunks' checksums
+        checks: dict[str, list[tuple[int, int, int, int]]] = {}  # buffer -> StepRec.chunk_checks
         if not on_disk:
             for r, shard in sorted(rec.shards.items()):
                 if shard.slot != h.slot:
@@ -115,9 +105,9 @@ class Tier:
                 held = h.catalog.steps.get(shard.base) if shard.base >= 0 else None
                 base = held.shards.get(r) if held is not None else None
                 mine.append((r, shard, base))
-                checks[shard.buffer] = _chunk_checks(rec, h.slot, r)
+                checks[shard.buffer] = rec.chunk_checks(r)
                 if base is not None and held is not None:
-                    checks[base.buffer] = _chunk_checks(held, h.slot, r)
+                    checks[base.buffer] = held.chunk_checks(r)
         for _, shard, base in mine:
             self.leases.take(shard.buffer, PERSIST)  # kept past retention until written
             if base is not None:
@@ -132,7 +122,7 @@ class Tier:
         self,
         step: int,
         mine: list[tuple[int, ShardRecord, ShardRecord | None]],
-        checks: dict[str, list[tuple[int, int, int]]] | None = None,
+        checks: dict[str, list[tuple[int, int, int, int]]] | None = None,
         count: int = 0,
     ) -> None:
         """Write this host's shards of ``step`` to the partial directory (writer thread): each
@@ -153,7 +143,7 @@ class Tier:
                 # the bytes are checked before they go to disk under a checksum of their own:
                 # a bit flipped in memory is not persisted as good (a read repairs it)
                 array = h.pool.get(name).file.array
-                for off, n, want in chunks:
+                for _, off, n, want in chunks:
                     if checksum(array[off : off + n]) != want:
                         h.stats["checksum_failures"] += 1
                         raise StorageError(

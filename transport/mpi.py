@@ -352,6 +352,13 @@ class Links:
         self.counters.gathered += out.nbytes
         return [req], out
 
+    def max_of(self, value: int, what: str, timeout: float | None = None) -> int:
+        """The largest ``value`` any rank gives (a reduction of one int64; every rank calls it,
+        with ``timeout`` as :meth:`wait`'s)."""
+        reqs, out = self.start_allreduce(np.array([value], dtype=np.int64), "max")
+        self.wait(reqs, what, timeout)
+        return int(out[0])
+
     def silent_peers(self, timeout: float, tag: int = 99) -> list[int]:
         """The ranks that do not answer a ping within ``timeout`` seconds (the failure path:
         after a collective timed out, which cannot say who is missing). Every rank that calls
