@@ -121,8 +121,11 @@ class Cluster:
         args.update(changes)
         return Cluster(self.root, **args)
 
-    def stores(self, world: int, timeout: float = 60.0) -> list[Any]:
-        """One :class:`storage.Store` in this process per rank, rank r on the r-th host."""
+    def stores(
+        self, world: int, timeout: float = 60.0, incremental: bool | None = None
+    ) -> list[Any]:
+        """One :class:`storage.Store` in this process per rank, rank r on the r-th host
+        (``incremental`` as :func:`storage.connect`'s)."""
         import storage
 
         return [
@@ -133,6 +136,7 @@ class Cluster:
                 host=self.host_names[r % self.hosts],
                 root=self.root,
                 timeout=timeout,
+                incremental=incremental,
             )
             for r in range(world)
         ]

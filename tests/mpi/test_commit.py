@@ -19,21 +19,6 @@ from tests.mpi.test_warm import _until
 PEER_TIMEOUT = 5.0
 
 
-def _stores(c: Cluster, world: int, incremental: bool) -> list[Any]:
-    return [
-        storage.connect(
-            c.job,
-            rank=r,
-            world_size=world,
-            host=c.host_names[r % c.hosts],
-            root=c.root,
-            timeout=10.0,
-            incremental=incremental,
-        )
-        for r in range(world)
-    ]
-
-
 def _state(rank: int, step: int) -> dict[str, Any]:
     # a frozen part: with incremental puts, every later step refers to the first one's bytes
     return make_state(rank, step, nbytes=60_000, frozen=200_000)
@@ -63,7 +48,7 @@ def test_a_group_killed_mid_commit_loses_no_acknowledged_step(
         env={"ECSNAP_FAULTS": faults},
         peer_timeout=PEER_TIMEOUT,
     )
-    stores = _stores(c, hosts, incremental)
+    stores = c.stores(hosts, timeout=10.0, incremental=incremental)
     seen: set[int] = set()  # steps every rank saw protected
     try:
         for step in range(1, last):
@@ -86,7 +71,7 @@ def test_a_group_killed_mid_commit_loses_no_acknowledged_step(
     # one die, killed the rest of the job wherever each daemon was (a whole-job SIGKILL)
     assert log.count("injected fault: kill@committing") >= 1, log
     c2 = c.relaunch(env=None)
-    stores = _stores(c2, hosts, incremental)
+    stores = c2.stores(hosts, timeout=10.0, incremental=incremental)
     try:
         held = [s.steps() for s in stores]
         assert all(x == held[0] for x in held), f"the ranks disagree on the steps: {held}"

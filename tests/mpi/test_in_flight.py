@@ -9,22 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
 from bench.harness import Cluster, close_all
 from storage import status
+from tests.mpi.test_metrics import scrape
 from tests.mpi.test_warm import _until
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in the scrape")
+def _metric(c: Cluster, name: str) -> float:
+    return scrape(c.root, c.job, "host0")[(name, ())]
 
 
 def test_a_step_stuck_on_a_stopped_daemon_is_shown_with_its_age_and_cause(
@@ -36,8 +32,7 @@ def test_a_step_stuck_on_a_stopped_daemon_is_shown_with_its_age_and_cause(
         state = {r: {"w": torch.full((10_000,), float(r))} for r in range(8)}
         for h in [s.put(1, state[r]) for r, s in enumerate(stores)]:
             assert h.wait(30) == 1
-        port = int(stores[0].info()["metrics_port"])
-        assert _metric(port, "ecsnap_steps_in_flight") == 0
+        assert _metric(c, "ecsnap_steps_in_flight") == 0
         pid = c.daemon_pid("host3")
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -55,8 +50,8 @@ def test_a_step_stuck_on_a_stopped_daemon_is_shown_with_its_age_and_cause(
             assert "a peer daemon is not joining" in flight["waiting_on"], flight
             text = status.render(c.job, list(hosts.values()))
             assert f"in flight on host0: step 2 {flight['state']} for" in text, text
-            assert _metric(port, "ecsnap_steps_in_flight") == 1
-            assert _metric(port, "ecsnap_oldest_in_flight_seconds") >= 2.5
+            assert _metric(c, "ecsnap_steps_in_flight") == 1
+            assert _metric(c, "ecsnap_oldest_in_flight_seconds") >= 2.5
         finally:
             os.kill(pid, signal.SIGCONT)
         handles.append(stores[3].put(2, state[3]))
@@ -67,7 +62,7 @@ def test_a_step_stuck_on_a_stopped_daemon_is_shown_with_its_age_and_cause(
             lambda: all(not h.get("in_flight") for h in status.gather(c.job, c.root)),
             10,
         )
-        assert _metric(port, "ecsnap_oldest_in_flight_seconds") == 0
+        assert _metric(c, "ecsnap_oldest_in_flight_seconds") == 0
     finally:
         close_all(stores)
         assert c.stop() == 0

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-import storage
 from bench.harness import Cluster, close_all
 from storage.warm import AHEAD
 
@@ -24,12 +23,7 @@ STEPS = 120
 
 def test_shared_memory_stays_within_the_bound_as_sizes_drift(shm_root: Path) -> None:
     c = Cluster(shm_root, hosts=HOSTS, k=3, m=1, extra=["--keep", "2"])
-    stores = [
-        storage.connect(
-            c.job, rank=r, world_size=HOSTS, host=f"host{r}", root=shm_root, incremental=False
-        )
-        for r in range(HOSTS)
-    ]
+    stores = c.stores(HOSTS, incremental=False)
     rng = random.Random(7)
     sizes = [200_000 + 10_000 * r for r in range(HOSTS)]
     worst = 0.0

@@ -23,15 +23,6 @@ from tests.mpi.test_warm import _until
 HOSTS = 8
 
 
-def _stores(c: Cluster) -> list[Any]:
-    return [
-        storage.connect(
-            c.job, rank=r, world_size=HOSTS, host=c.host_names[r], root=c.root, timeout=20.0
-        )
-        for r in range(HOSTS)
-    ]
-
-
 def _state(rank: int, step: int, timeline: int = 0) -> dict[str, torch.Tensor]:
     """Ranks 0-3 (the first group) keep a frozen tensor, so their group pins the step it lives
     in; ranks 4-7 change everything every step. ``timeline`` tells a rolled-back run's steps
@@ -66,7 +57,7 @@ def test_a_put_of_a_pinned_or_older_step_is_refused_on_every_rank_and_the_job_go
     shm_root: Path,
 ) -> None:
     c = Cluster(shm_root, hosts=HOSTS, k=3, m=1, extra=["--keep", "1"])
-    stores = _stores(c)
+    stores = c.stores(HOSTS, timeout=20.0)
     try:
         _put_all(stores, 1)
         _put_all(stores, 2)
@@ -108,7 +99,7 @@ def test_a_rollback_reaches_the_disk_and_a_restore_serves_the_new_timeline(
         "3",
     ]
     c = Cluster(shm_root, hosts=HOSTS, k=3, m=1, extra=args)
-    stores = _stores(c)
+    stores = c.stores(HOSTS, timeout=20.0)
     try:
         for step in (1, 2, 3):
             _put_all(stores, step)
@@ -126,7 +117,7 @@ def test_a_rollback_reaches_the_disk_and_a_restore_serves_the_new_timeline(
     for h in range(HOSTS):
         shutil.rmtree(shm_root / c.job / f"host{h}")
     c = c.relaunch()
-    stores = _stores(c)
+    stores = c.stores(HOSTS, timeout=20.0)
     try:
         for r, s in enumerate(stores):
             assert same(s.get(), _state(r, 2, 1)), f"rank {r} got the abandoned step 2"
