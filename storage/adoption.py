@@ -251,7 +251,8 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
         )
         tr = time.monotonic()
         try:
-            repairer.repair(h.catalog.steps[step], erasures[step])
+            # every host verified all its chunks of it just now
+            repairer.repair(h.catalog.steps[step], erasures[step], checked=True)
         except CapacityError as exc:  # every host of the group alike (Repairer.repair)
             h.log(f"adoption: rebuilding step {step} failed ({exc}); it is rebuilt while serving")
             repairer.deferred.insert(0, (step, erasures[step]))

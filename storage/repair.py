@@ -126,13 +126,82 @@ class Repairer:
 
     # -- rebuilding -------------------------------------------------------------------------------
 
+    def bad_sources(self, rec: StepRec, plan: RepairPlan) -> Erasures:
+        """This host's chunks that ``plan`` reads and that are missing or fail their checksum
+        (counted as ``missing_chunks`` and ``checksum_failures``)."""
+        h = self.host
+        layout, pos = h.my_layout(rec)
+        cb = rec.chunk_bytes
+        crc = rec.stored.get(h.slot, {})
+        data_crc, parity_crc = crc.get("data", []), crc.get("parity", [])
+        bad = Erasures()
+        n = len(layout.parity_stripes[pos])
+        name = rec.parity.get(h.slot)
+        pbuf = h.file(name, n * cb) if name and n else None
+        for s, (_, sources) in plan.stripes.items():
+            for a in sources:
+                if holder(layout, s, a) != pos:
+                    continue
+                if a >= layout.k:
+                    i = layout.parity_slot(pos, s)
+                    if pbuf is None or i >= len(parity_crc):
+                        h.stats["missing_chunks"] += 1
+                        bad.parity.add(i)
+                    elif checksum(pbuf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]:
+                        h.stats["checksum_failures"] += 1
+                        bad.parity.add(i)
+                    continue
+                c = layout.data_chunk(s, a)
+                if c is None:
+                    continue  # a pad chunk: zeros, nothing stored
+                ref = rec.blobs[h.slot].chunks[c]
+                buf = h.shard_buffer(rec, ref.rank)
+                if buf is None or c >= len(data_crc):
+                    h.stats["missing_chunks"] += 1
+                    bad.data.add(c)
+                elif checksum(buf.file.array[ref.offset : ref.offset + ref.length]) != data_crc[c]:
+                    h.stats["checksum_failures"] += 1
+                    bad.data.add(c)
+        return bad
+
+    def checked_sources(self, rec: StepRec, erased: dict[int, Erasures]) -> dict[int, Erasures]:
+        """``erased`` with every chunk the repair would read and that fails its checksum on its
+        host added (collective over the group: every host checks what it would send, and all
+        learn what all found). A rebuild from a bad source writes bad bytes under the good
+        checksum's name; instead the bad source is rebuilt too, or the stripe is lost when
+        more than m of its chunks are bad. Repeats while new sources turn up bad."""
+        h = self.host
+        g = h.group
+        layout = rec.layouts[g.index]
+        erased = {s: Erasures(set(e.data), set(e.parity)) for s, e in erased.items()}
+        for _ in range(g.k + g.m):  # each pass erases another chunk of some stripe, or ends
+            by_pos = {g.position(s): e for s, e in erased.items() if s in g.slots and e}
+            bad = self.bad_sources(rec, plan_repair(layout, by_pos)).to_json()
+            found = h.gl.allgather_json(bad, f"repair of step {rec.step} (sources checked)")
+            if not any(f["data"] or f["parity"] for f in found):
+                break
+            for p, f in enumerate(found):
+                e = erased.setdefault(g.slots[p], Erasures())
+                e.data |= set(f["data"])
+                e.parity |= set(f["parity"])
+                if f["data"] or f["parity"]:
+                    h.log(
+                        f"step {rec.step}: chunks {f} on {h.hosts[g.slots[p]]} that its repair "
+                        "would read fail their checksums: rebuilt too"
+                    )
+        return erased
+
     @charged("repair")
-    def repair(self, rec: StepRec, erased: dict[int, Erasures]) -> None:
+    def repair(self, rec: StepRec, erased: dict[int, Erasures], checked: bool = False) -> None:
         """Rebuild the erased chunks of ``rec`` from their stripes (collective over the group:
         every daemon of the group calls this for the same step with the same ``erased``). More
-        than m erasures in any stripe make the step lost instead (and :attr:`lost` says so)."""
+        than m erasures in any stripe make the step lost instead (and :attr:`lost` says so).
+        The chunks read are checked first (:meth:`checked_sources`) unless ``checked`` says
+        every host verified all its chunks of the step just now (adoption)."""
         h = self.host
         t0 = time.monotonic()
+        if not checked:
+            erased = self.checked_sources(rec, erased)
         lost_slots = self.lost_slots(rec, erased)
         if lost_slots:
             hosts, ranks = recovery.lost_parts(rec, {s: erased[s] for s in lost_slots}, h.hosts)

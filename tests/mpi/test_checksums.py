@@ -62,3 +62,46 @@ def test_a_bit_flipped_in_memory_is_not_persisted_and_a_changed_disk_manifest_is
     finally:
         close_all(stores)
         assert c.stop() == 0
+
+
+def test_a_repair_checks_what_it_reads_and_rebuilds_a_bad_source_too(shm_root: Path) -> None:
+    """Three RS(2,2) groups (12 virtual hosts). Rank 0's chunks on host0 are flipped, and so is
+    every chunk host1 holds (its shards and its parity): the read of rank 0 asks its group for a
+    repair whose stripes all have a chunk on host1. The repair finds host1's bad sources by
+    their checksums and rebuilds them too, from the two good chunks of each stripe: rank 0 reads
+    back bit-exact (before, the rebuilt chunk failed its checksum and the read failed)."""
+    c = Cluster(shm_root, hosts=12, k=2, m=2, extra=["--keep", "2"])
+    stores = c.stores(12)
+    try:
+        for h in [s.put(1, _state(r, 1)) for r, s in enumerate(stores)]:
+            assert h.wait(30) == 1
+        job = shm_root / c.job
+        m0 = json.loads((job / "host0" / "steps" / "1.json").read_text())
+        assert m0["groups"][m0["group"]]["slots"] == [0, 1, 2, 3]
+        cb = int(m0["step_chunk_bytes"])
+        shard = next(sh for sh in m0["shards"] if sh["rank"] == 0)
+        flips = [(job / "host0" / "data" / shard["buffer"], 17)]
+        for f in sorted((job / "host1" / "data").glob("r*")) + sorted(
+            (job / "host1" / "parity").glob("p*")
+        ):
+            flips += [(f, off + 5) for off in range(0, f.stat().st_size, cb)]
+        for f, off in flips:
+            raw = bytearray(f.read_bytes())
+            raw[off] ^= 0x21
+            f.write_bytes(bytes(raw))
+        assert torch.equal(stores[0].get(1)["w"], _state(0, 1)["w"])
+        log = c.log.read_text()
+        assert "on host1 that its repair would read fail their checksums" in log, log[-3000:]
+        assert "rebuilt chunks fail their checksums" not in log
+        stats = stores[1].info()["stats"]
+        assert stats["checksum_failures"] >= 1 and stats["rebuilds"] == 1, stats
+        # host1's chunks in other stripes are still bad: its own read repairs those
+        for r in (1, 2, 3, 0, 1):
+            assert torch.equal(stores[r].get(1)["w"], _state(r, 1)["w"])
+        rebuilds = stores[1].info()["stats"]["rebuilds"]
+        for r in (0, 1, 2, 3):
+            assert torch.equal(stores[r].get(1)["w"], _state(r, 1)["w"])
+        assert stores[1].info()["stats"]["rebuilds"] == rebuilds  # every chunk good again
+    finally:
+        close_all(stores)
+        assert c.stop() == 0
