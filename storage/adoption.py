@@ -30,14 +30,10 @@ from storage.catalog import StepRec, StepState
 from storage.errors import CapacityError, ConfigError
 from storage.host import Host, Local
 from storage.recovery import Erasures
-from storage.repair import Repairer
+from storage.repair import Repairer, allowance, moved_bytes
 from storage.tier import Tier
 
 __all__ = ["adopt"]
-
-# bytes a second a start-up rebuild is counted on at least, for how long the job waits for it
-# (measured here: 0.7-1.5 GB/s on 4 virtual hosts; a network of 1 Gbit/s moves 120 MB/s)
-REBUILD_FLOOR = 50e6
 
 
 def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) -> None:
@@ -232,13 +228,9 @@ def adopt(host: Host, repairer: Repairer, tier: Tier, hosts_by_rank: list[str]) 
     # The job waits for the slowest group's rebuild at its next collective: that wait is given
     # the time the largest rebuild may take at a slow floor rate, beside the peer timeout (a
     # rebuild longer than the peer timeout ended the job, and the next launch rebuilt again).
-    moved = 0
-    if todo:
-        rec0 = h.catalog.steps[todo[0]]
-        moved = sum(len(e.data) + len(e.parity) for e in erasures[todo[0]].values())
-        moved *= rec0.chunk_bytes * h.group.k  # k chunks move for each one rebuilt
+    moved = moved_bytes(h.catalog.steps[todo[0]], h.group.k, erasures[todo[0]]) if todo else 0
     most = h.links.max_of(moved, "adoption (rebuild sizes)")
-    rebuild_wait = h.config.peer_timeout + most / REBUILD_FLOOR
+    rebuild_wait = h.config.peer_timeout + allowance(most)
     for i, step in enumerate(todo):
         if i:
             repairer.deferred.append((step, erasures[step]))

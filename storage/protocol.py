@@ -114,7 +114,8 @@ class Ballot:
 
     Job-wide: rare events waiting, group events waiting (in some group: then every group gathers
     its own), work waiting (sums); stop asked, the lowest new step wanting a lane (the max of
-    its negation), the lowest step every daemon has persisted through (likewise).
+    its negation), the lowest step every daemon has persisted through (likewise), the most bytes
+    a daemon's local work of this round may move (what the next round's wait allows for).
     """
 
     # per-lane sums
@@ -125,11 +126,11 @@ class Ballot:
     LANE_MAXIMA = 3
     # job-wide sums and maxima, after the lanes
     RARE, GROUP, BUSY = range(3)
-    STOP, NEW_STEP_NEG, PERSISTED_NEG = range(3)
+    STOP, NEW_STEP_NEG, PERSISTED_NEG, WORK_BYTES = range(4)
 
     def __init__(self) -> None:
         self.sums = np.zeros(LANES * self.LANE_SUMS + 3, dtype=np.int64)
-        self.maxima = np.full(LANES * self.LANE_MAXIMA + 3, NONE, dtype=np.int64)
+        self.maxima = np.full(LANES * self.LANE_MAXIMA + 4, NONE, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:

@@ -50,7 +50,8 @@ from storage.protocol import (
     Stored,
     Unpin,
 )
-from storage.repair import Repairer
+from storage.recovery import Erasures
+from storage.repair import Repairer, allowance, moved_bytes
 from storage.tier import Tier
 
 __all__ = ["Rounds", "idle_nap", "next_quiet"]
@@ -134,6 +135,12 @@ class Rounds:
         # commit"). (round, step, its local state) of steps out of the catalog, oldest first:
         self.retiring: list[tuple[int, int, Local]] = []
         self.left_at: dict[int, int] = {}  # step -> the round it became pinned (see above)
+        # Seconds past the peer timeout that the next round's wait allows: a group's local work
+        # (a repair a read asked for, a rebuild left from start-up, an exchange, a fetch) runs
+        # inside one round, and every other daemon waits for it at the next round's reduction.
+        # Set from what the whole job knows (the ballot's most bytes, the requests gathered),
+        # so the same on every daemon (a repair longer than the peer timeout ended the job).
+        self.allowance = 0.0
 
     @charged("rounds")
     def run(self) -> int:
@@ -150,7 +157,7 @@ class Rounds:
             # round, and a napping wait costs each of them milliseconds (measured: a put of a
             # few kB took 50 ms, 20 of them in the one napping round that gathered its records).
             busy = busy or hot
-            timeout = h.config.peer_timeout
+            timeout = h.config.peer_timeout + self.allowance
             sum_reqs, sums = h.links.start_allreduce(ballot.sums, "sum")
             max_reqs, maxima = h.links.start_allreduce(ballot.maxima, "max")
             h.links.wait(sum_reqs + max_reqs, "round", timeout, busy)
@@ -239,6 +246,7 @@ class Rounds:
             busy = bool(events) or bool(self.waiting) or bool(h.wanted)
             ballot.add_job(Ballot.BUSY, int(busy))
             ballot.raise_job(Ballot.STOP, int(h.stopping))
+            ballot.raise_job(Ballot.WORK_BYTES, self._work_bytes())
             upto = self.tier.written_through()
             if upto is not None:
                 ballot.raise_job(Ballot.PERSISTED_NEG, -upto)
@@ -276,11 +284,50 @@ class Rounds:
             new = job.job_max(Ballot.NEW_STEP_NEG)
             if new is not None:
                 self._lane_for(-new)
+            most = max(job.job_max(Ballot.WORK_BYTES) or 0, self._asked_bytes(rare_in))
+            self.allowance = allowance(most)
             persisted = job.job_max(Ballot.PERSISTED_NEG)
             if persisted is not None:
                 self.tier.written_everywhere(-persisted)
             h.catalog.release_pins()  # their files go in this round's local work
             h.cond.notify_all()
+
+    def _work_bytes(self) -> int:
+        """Bytes this daemon's local work of this round may move, of what it knows before the
+        round (with the lock): the next rebuild left from start-up, the steps it exchanges."""
+        h = self.host
+        most = 0
+        if self.repairer.deferred:
+            step, erased = self.repairer.deferred[0]
+            rec = h.catalog.steps.get(step)
+            if rec is not None:
+                most = moved_bytes(rec, h.group.k, erased)
+        for rec in h.catalog.steps.values():
+            if rec.state in (StepState.READY, StepState.ENCODING):
+                mine = sum(s.nbytes for s in rec.shards.values() if s.slot == h.slot)
+                most += mine * (h.group.k + h.group.m) // h.group.k
+        return most
+
+    def _asked_bytes(self, rare_in: list[Any]) -> int:
+        """The most bytes one group's repairs and one host's fetches asked for this round move
+        (known to every daemon: the requests were gathered job-wide)."""
+        h = self.host
+        by_group: dict[int, int] = {}
+        fetched: dict[int, int] = {}
+        for payload in rare_in:
+            for raw in payload or []:
+                rec = h.catalog.steps.get(int(raw.get("step", -1)))
+                if rec is None:
+                    continue
+                if raw.get("e") == "repair":
+                    slot = int(raw["slot"])
+                    g = next(g for g in h.groups if slot in g.slots)
+                    erased = {slot: Erasures(set(raw["data"]), set(raw.get("parity", [])))}
+                    by_group[g.index] = by_group.get(g.index, 0) + moved_bytes(rec, g.k, erased)
+                elif raw.get("e") == "fetch" and int(raw["rank"]) in rec.shards:
+                    to = int(raw["to"])
+                    fetched[to] = fetched.get(to, 0) + rec.shards[int(raw["rank"])].nbytes
+        return max([0, *by_group.values(), *fetched.values()])
 
     def _group_event(self, slot: int, raw: dict[str, Any]) -> None:
         h = self.host

@@ -15,6 +15,8 @@ from bench.harness import Cluster, close_all
 
 PEER_TIMEOUT = 3.0
 HOLD = 4.0  # seconds the rebuild is held: past the peer timeout
+# seconds a repair while serving is held: past the peer timeout, within what 120 MB moved allow
+HOLD_SERVING = 3.5
 
 
 def _state(rank: int) -> dict[str, torch.Tensor]:
@@ -41,6 +43,39 @@ def test_a_rebuild_longer_than_the_peer_timeout_finishes(shm_root: Path) -> None
         assert "rebuilt step 1" in log
         for r, s in enumerate(stores):
             assert torch.equal(s.get(1)["w"], _state(r)["w"])
+    finally:
+        close_all(stores)
+        assert c.stop() == 0
+
+
+def test_a_repair_a_read_asked_for_longer_than_the_peer_timeout_finishes(shm_root: Path) -> None:
+    """While serving: every chunk of rank 0's 40 MB shard on host0 is flipped, and the repair its
+    read asks for is held past the peer timeout on host0 (a fault). The other group waits for it
+    at the next round as long as a repair of that size may take at the floor rate, and so does
+    the reader, instead of the job ending after the peer timeout."""
+    import json
+
+    spec = f"delay@rebuilding:host=host0:nth=1:seconds={HOLD_SERVING}"
+    c = Cluster(shm_root, hosts=8, k=3, m=1, peer_timeout=PEER_TIMEOUT, env={"ECSNAP_FAULTS": spec})
+    stores = c.stores(8)
+    try:
+        for h in [s.put(1, _state(r)) for r, s in enumerate(stores)]:
+            assert h.wait(60) == 1
+        host0 = shm_root / c.job / "host0"
+        m = json.loads((host0 / "steps" / "1.json").read_text())
+        shard = next(sh for sh in m["shards"] if sh["rank"] == 0)
+        cb = int(m["step_chunk_bytes"])
+        with (host0 / "data" / shard["buffer"]).open("r+b") as f:
+            for off in range(7, int(shard["nbytes"]), cb):
+                f.seek(off)
+                b = f.read(1)
+                f.seek(off)
+                f.write(bytes([b[0] ^ 0x44]))
+        assert torch.equal(stores[0].get(1)["w"], _state(0)["w"])
+        assert "injected fault: delay@rebuilding" in c.log.read_text()  # the fault fired
+        for r, s in enumerate(stores):
+            assert torch.equal(s.get(1)["w"], _state(r)["w"])
+        assert stores[0].info()["stats"]["rebuilds"] == 1
     finally:
         close_all(stores)
         assert c.stop() == 0
