@@ -21,6 +21,7 @@ BENCHMARKS = {
     "faults": ("bench.faults", "main"),
     "descriptors": ("bench.descriptors", "main"),
     "frameworks": ("bench.frameworks", "main"),
+    "memory": ("bench.memory", "main"),
     "soak": ("bench.faults", "soak_main"),
 }
 

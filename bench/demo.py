@@ -120,6 +120,24 @@ class Demo:
             for h in self.hosts
         ]
 
+    def scrape(self) -> dict[tuple[str, str], float]:
+        """Every daemon's /metrics, read over HTTP as Prometheus reads it: each sample's value
+        summed over the daemons, by (sample name, its ``kind`` label)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[tuple[str, str], float] = {}
+        for h in self.hosts:
+            port = (self.root / self.job / h / "metrics.port").read_text().strip()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    key = (sample.name, sample.labels.get("kind", ""))
+                    out[key] = out.get(key, 0.0) + sample.value
+        return out
+
     def stop_daemons(self, sig: int = signal.SIGTERM) -> None:
         if self.daemons is not None:
             self.procs.kill(self.daemons, sig)
@@ -327,11 +345,12 @@ class Demo:
         rows = {**first["rows"], **second["rows"]}
         puts = [r["put_block_s"] for r in rows.values() if r.get("put_block_s") is not None]
         prots = [r["protect_s"] for r in rows.values() if r.get("protect_s")]
-        hosts = self.info()
-        data = sum(h["data_bytes"] for h in hosts)
-        parity = sum(h["parity_bytes"] for h in hosts)
-        enc_b = sum(h["stats"]["encode_bytes"] for h in hosts)
-        enc_s = sum(h["stats"]["encode_seconds"] for h in hosts) or float("nan")
+        scraped = self.scrape()
+        data = scraped.get(("ecsnap_stored_bytes", "data"), 0.0)
+        parity = scraped.get(("ecsnap_stored_bytes", "parity"), 0.0)
+        enc_b = scraped.get(("ecsnap_encode_bytes_total", ""), 0.0)
+        enc_s = scraped.get(("ecsnap_encode_seconds_total", ""), 0.0) or float("nan")
+        each = f"summed over the {len(self.hosts)} daemons' /metrics"
         killed = first["killed"]
         lost = (killed - start + 1) if (killed is not None and start is not None) else 0
         med = _median
@@ -356,13 +375,20 @@ class Demo:
             ("steps lost", str(lost)),
             ("snapshot blocking per step", f"median {med(puts) * 1e3:.1f} ms"),
             ("put -> protected", f"median {med(prots) * 1e3:.0f} ms" if prots else "-"),
-            ("encode throughput", f"{enc_b / enc_s / 1e9:.2f} GB/s while encoding"),
-            ("rebuild time", f"{self.rebuild_s:.2f} s" if self.rebuild_s else "-"),
+            (
+                "encode throughput",
+                f"{enc_b / enc_s / 1e9:.2f} GB/s while encoding (ecsnap_encode_bytes_total / "
+                f"ecsnap_encode_seconds_total, {each})",
+            ),
+            (
+                "rebuild time",
+                f"{self.rebuild_s:.2f} s (ecsnap_rebuild_seconds)" if self.rebuild_s else "-",
+            ),
             (
                 "memory for protection",
                 f"{parity / 1e6:.1f} MB parity for {data / 1e6:.1f} MB "
-                f"of snapshots ({parity / max(data, 1):.2f}x); 2-way replication: "
-                f"{data / 1e6:.1f} MB (1.00x)",
+                f"of snapshots ({parity / max(data, 1):.2f}x; ecsnap_stored_bytes by kind, "
+                f"{each}); 2-way replication: {data / 1e6:.1f} MB (1.00x)",
             ),
         ]
         if self.tty:  # the daemons stay up until Enter (see run): the addresses still answer

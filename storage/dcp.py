@@ -1,10 +1,11 @@
 """``torch.distributed.checkpoint`` (DCP) with ecsnap as the storage.
 
-The one-line change for a DCP user, one writer and one reader for every step::
+The one-line change for a DCP user, one writer and one reader for every step (and for
+``async_save`` a writer per step, which stages into the daemons: see :meth:`SnapshotWriter.stage`)::
 
     writer, reader = SnapshotWriter(store), SnapshotReader(store)
     dcp.save(state_dict, storage_writer=writer, checkpoint_id=f"{run}/step-{step}")
-    dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=step)   # stages into daemons
+    dcp.async_save(state_dict, storage_writer=SnapshotWriter(store, step))  # stages into daemons
     dcp.load(state_dict, storage_reader=reader, checkpoint_id=f"{run}/step-{step}")
     dcp.load(state_dict, storage_reader=reader)                             # the newest step
 

@@ -29,6 +29,7 @@ its own host's daemon (a step held elsewhere is fetched). Strategies that save t
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,35 @@ from storage import ids
 from storage.errors import StepNotFoundError, StorageError
 
 __all__ = ["SnapshotCheckpointIO"]
+
+
+# what an MPI launcher sets in each process it starts (MPICH's Hydra, Slurm's PMI, PMIx, Open
+# MPI, MVAPICH)
+_MPI_LAUNCHED = (
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMI_FD",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+)
+
+
+def _no_singleton_mpi() -> None:
+    """Lightning chooses its cluster environment by asking each kind whether it applies, and
+    its MPI kind initialises MPI to ask whenever mpi4py is importable (ecsnap's daemons need it
+    beside the trainer). A singleton MPI makes a 1 MB ``/dev/shm/mpich_shm_*`` file that a
+    SIGKILLed trainer leaves for good. A process that no MPI launcher started cannot be an MPI
+    job of more than one: Lightning is told so without MPI being initialised, the answer it
+    would have got."""
+    if any(v in os.environ for v in _MPI_LAUNCHED):
+        return
+    try:
+        from lightning.fabric.plugins.environments import mpi
+    except ImportError:
+        return
+    if "mpi4py.MPI" not in sys.modules and hasattr(mpi, "_MPI4PY_AVAILABLE"):
+        setattr(mpi, "_MPI4PY_AVAILABLE", False)  # noqa: B010  (read at each detect())
 
 
 def _plain(value: Any) -> Any:
@@ -89,6 +119,7 @@ class SnapshotCheckpointIO(CheckpointIO):
         timeout: float = 60.0,
     ) -> None:
         self.job, self.root, self.host, self.timeout = job, root, host, timeout
+        _no_singleton_mpi()
         self._store: storage.Store | None = None
         self._aliases: dict[str, int] = {}  # paths that named no step -> the step saved
         self._pending: tuple[int, storage.SaveHandle] | None = None  # staged, not yet protected

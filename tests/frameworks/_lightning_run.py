@@ -41,11 +41,14 @@ class Net(L.LightningModule):
 class KillAt(Callback):
     """SIGKILL this process as training is about to start step ``at`` (``at`` is saved)."""
 
-    def __init__(self, at: int) -> None:
+    def __init__(self, at: int, pids: Path) -> None:
         self.at = at
+        self.pids = pids  # each process killed appends its PID here
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
         if trainer.global_step == self.at:
+            with self.pids.open("a") as f:
+                f.write(f"{os.getpid()}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -70,7 +73,7 @@ def main() -> None:
         io = SnapshotCheckpointIO(spec["job"], root=spec["root"])
         plugins.append(io)
     if spec.get("kill_at") is not None:
-        callbacks.append(KillAt(spec["kill_at"]))
+        callbacks.append(KillAt(spec["kill_at"], Path(spec["dir"]) / "killed.pids"))
     devices = spec.get("devices", 1)
     trainer = L.Trainer(
         max_steps=spec["steps"],

@@ -45,6 +45,15 @@ def test_a_killed_run_resumes_from_ecsnap_as_from_lightnings_own_file(
             base = {"mode": mode, "job": c.job, "root": str(shm_root), "dir": str(work)}
             base |= {"steps": 10, "devices": devices, "out": str(tmp_path / f"{mode}.pt")}
             _run({**base, "kill_at": 5}, killed=True)
+            killed = [int(x) for x in (work / "killed.pids").read_text().split()]
+            # a SIGKILLed process that initialised MPI leaves its node's shared memory behind
+            left = [Path(f"/dev/shm/mpich_shm_{pid:x}_0") for pid in killed]
+            if mode == "file":  # Lightning's own asks MPI whether it runs under mpiexec
+                assert any(f.exists() for f in left), killed
+                for f in left:
+                    f.unlink(missing_ok=True)
+            else:  # the plugin answers that from the launchers' variables
+                assert not any(f.exists() for f in left), killed
             results[mode] = _run({**base, "resume": True, "resume_at": 5}, killed=False)
         ecsnap, file = results["ecsnap"], results["file"]
         assert ecsnap is not None and file is not None

@@ -41,6 +41,9 @@ def test_demo_resumes_bit_identically(tmp_path: Path, kill: str) -> None:
     # steps counted one way (as stored, from 0), and no address printed that is dead by then
     assert "step 7 of 0-7" in out.stdout and "step 8" not in out.stdout, out.stdout
     assert "http://" not in out.stdout
+    # the summary's figures are what the daemons' /metrics said, and name their metrics
+    assert "ecsnap_encode_bytes_total / ecsnap_encode_seconds_total" in out.stdout, out.stdout
+    assert "ecsnap_stored_bytes by kind" in out.stdout
     if kill == "host":
         # the failure strikes once step 4 is protected: the resume starts right after it
         assert result["resumed_at"] == 5 and result["rebuild_s"] > 0
