@@ -193,6 +193,12 @@ class Lab:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.1)
+        # every mount under the lab's directory: the hosts' /dev/shm, and what tools that run
+        # in the lab mounted there (the Slurm tests' cgroup tmpfs)
+        prefixes = (self.root.rstrip("/") + "/", f"{self.workdir}/")
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        for where in sorted((m for m in mounts if m.startswith(prefixes)), reverse=True):
+            _run("umount", "-l", where, check=False)
         for i in range(len(self.hosts)):
             _run("umount", "-l", str(self.shm(i)), check=False)
         for veth in self.veths:
@@ -200,8 +206,10 @@ class Lab:
         _run("ip", "link", "del", self.bridge, check=False)
         for ns in self.hosts:
             _run("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)  # files ip netns binds
         _run("ip", "route", "del", "unreachable", self.subnet, "metric", "4000", check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
         (STATE_DIR / f"{PREFIX}{self.id}.json").unlink(missing_ok=True)
 
     def in_use(self) -> bool:
@@ -215,6 +223,13 @@ class Lab:
         return any(_ns_pids(ns) for ns in self.hosts) or any(_alive(p) for p in self.pids)
 
     # -- using it ----------------------------------------------------------------------------------
+
+    @property
+    def workdir(self) -> Path:
+        """A directory for what tools run with the lab keep (the Slurm tests' configuration,
+        logs and spool): seen alike from every host (not under /dev/shm, which each host has
+        of its own), removed with the lab."""
+        return STATE_DIR / f"{PREFIX}{self.id}"
 
     def shm(self, i: int) -> Path:
         """Host i's /dev/shm, as a directory here."""
