@@ -121,6 +121,7 @@ class Job:
     attempted: set[int] = field(default_factory=set)
     fired: int = 0
     _seen: int = 0  # how much of the (appended) log earlier launches wrote
+    pids: set[int] = field(default_factory=set)  # every process of the job seen (see trial)
 
     @property
     def log(self) -> Path:
@@ -145,6 +146,7 @@ class Job:
             self._count_fired()
             return False
         self.proc = self.cluster.proc
+        self.pids |= set(_job_pids(self.job))
         return True
 
     def _count_fired(self) -> None:
@@ -195,6 +197,7 @@ class Job:
         self.close_stores()
         if self.proc is None:
             return
+        self.pids |= set(_job_pids(self.job))
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM if how == "term" else signal.SIGKILL)
         try:
@@ -295,6 +298,25 @@ def _mapped_shm() -> set[str]:
             if i >= 0:
                 names.add(line[i + len("/dev/shm/") :].split("/")[0].removesuffix(" (deleted)"))
     return names
+
+
+def mpich_pid(name: str) -> int | None:
+    """The PID an MPICH shared-memory segment file is named after (``mpich_shm_<hex pid>_<n>``,
+    the node's first rank), or None for another name."""
+    parts = name.split("_")
+    if len(parts) == 4 and name.startswith("mpich_shm_"):
+        try:
+            return int(parts[2], 16)
+        except ValueError:
+            return None
+    return None
+
+
+def _made_by_others(name: str, pids: set[int]) -> bool:
+    """An MPICH segment named after a process that is not one of the job's: another job's on
+    this machine (tests run side by side), not this trial's leak."""
+    pid = mpich_pid(name)
+    return pid is not None and pid not in pids
 
 
 def _job_pids(job: str, daemons_only: bool = False) -> list[int]:
@@ -479,6 +501,7 @@ def trial(fault: str, root: Path, rng: random.Random, hosts: int = HOSTS) -> dic
             problems.append(f"leftover processes: {left}")
         new = {n for n in _shm_files(root) - before if not n.startswith("ecsnap-")}
         new -= _mapped_shm()  # another job running on this machine holds those
+        new = {n for n in new if not _made_by_others(n, job.pids)}
         if new:
             problems.append(f"files left in /dev/shm outside the job root: {sorted(new)}")
         return _result(fault, job, problems, counts, km)
