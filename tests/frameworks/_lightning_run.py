@@ -47,6 +47,7 @@ class KillAt(Callback):
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
         if trainer.global_step == self.at:
+            self.pids.parent.mkdir(parents=True, exist_ok=True)  # no checkpoint made it
             with self.pids.open("a") as f:
                 f.write(f"{os.getpid()}\n")
             os.kill(os.getpid(), signal.SIGKILL)

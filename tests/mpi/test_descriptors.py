@@ -65,12 +65,12 @@ def _daemons(c: Cluster) -> dict[str, str]:
     return {h["host"]: h["daemon"] for h in status.gather(c.job, c.root)}
 
 
-@pytest.mark.parametrize("hosts", [4, 8])
-def test_a_long_run_under_a_soft_limit_of_256_keeps_its_descriptors_flat(
-    shm_root: Path, hosts: int
-) -> None:
-    """--keep 1000 and 500 steps of sizes that differ at every step: before, each kept or made
-    file held a descriptor and the daemons ran out within 70 steps under a limit of 1,024."""
+def test_a_long_run_under_a_soft_limit_of_256_keeps_its_descriptors_flat(shm_root: Path) -> None:
+    """--keep 1000 and 300 steps of sizes that differ at every step, on two groups (8 virtual
+    hosts): before, each kept or made file held a descriptor and the daemons ran out within 70
+    steps under a limit of 1,024. (One group, 4 hosts, ran the same before; `ecsnap bench
+    descriptors` runs either, longer.)"""
+    hosts = 8
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with _soft_limit(256):
         c = Cluster(shm_root, hosts=hosts, extra=["--keep", "1000"])
@@ -81,7 +81,7 @@ def test_a_long_run_under_a_soft_limit_of_256_keeps_its_descriptors_flat(
         assert len(raised) == hosts and all(r == ("256", str(hard)) for r in raised), log
         stores = c.stores(hosts)
         pids = [c.daemon_pid(n) for n in c.host_names]
-        steps = 500
+        steps = 300
         counts: list[list[int]] = []
         for step in range(1, steps + 1):
             handles = [s.put(step, _state(r, step)) for r, s in enumerate(stores)]
@@ -95,7 +95,7 @@ def test_a_long_run_under_a_soft_limit_of_256_keeps_its_descriptors_flat(
             for r, s in enumerate(stores):
                 got, want = s.get(step), _state(r, step)
                 assert got["step"] == step and torch.equal(got["w"], want["w"]), (step, r)
-        # descriptors depend on connections and peers: flat from 10 steps kept to 500
+        # descriptors depend on connections and peers: flat from 10 steps kept to 300
         first, *_, last = counts
         assert all(b <= a + 8 for a, b in zip(first, last, strict=True)), counts
         assert max(last) < 128, counts
