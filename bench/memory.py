@@ -204,6 +204,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def compact(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The samples as columns (one record, not a line each): seconds from the first, the put,
+    the phase, each host's RssAnon and the job's shared memory."""
+    t0 = samples[0]["t"] if samples else 0.0
+    hosts = sorted({h for s in samples for h in s["rss_anon"]}, key=lambda h: (len(h), h))
+    return {
+        "columns": ["t_s", "put", "phase", *(f"rss_anon_{h}" for h in hosts), "shm_bytes"],
+        "rows": [
+            [round(s["t"] - t0, 2), s["put"], s["phase"]]
+            + [s["rss_anon"].get(h, 0) for h in hosts]
+            + [s["shm_bytes"]]
+            for s in samples
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ecsnap bench memory", description=__doc__)
     p.add_argument("--hosts", type=int, default=4)
@@ -224,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {k: v for k, v in vars(a).items() if k != "progress"}
     rec = Recorder("memory", params)
     out = run(a)
-    for s in out["samples"]:
-        rec.add(kind="sample", **s)
+    rec.add(kind="samples", name="memory", unit="bytes", **compact(out["samples"]))
     base = statistics.median(out["baseline"].values())
     end = statistics.median(out["end"].values())
     before = max(out["before_crash"].values())
