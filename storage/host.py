@@ -452,12 +452,24 @@ class Host:
             silent = [hosts[g.slots[p]] for p in peers if p < len(g.slots)]
         else:
             silent = [hosts[self.slot_of_rank[p]] for p in peers if p < self.nslots]
-        self.unreachable = silent
         who = f"host(s) {', '.join(silent)}" if silent else "a peer daemon"
+        return self._going_down(
+            f"{who} did not answer within {self.config.peer_timeout:.0f}s (a link down, a "
+            "daemon stopped or dead)",
+            silent,
+        )
+
+    def lost_peer(self, host: str) -> PeerUnreachableError:
+        """``host``'s daemon is gone (``storage.watch`` heard its connections close, or a
+        neighbour said so): tell every waiting trainer, and ``health.json``, before the daemon
+        exits. No MPI call: one touching the dead peer may crash inside MPI."""
+        return self._going_down(f"host {host}'s daemon is gone (its connections closed)", [host])
+
+    def _going_down(self, why: str, silent: list[str]) -> PeerUnreachableError:
+        self.unreachable = silent
         err = PeerUnreachableError(
-            f"the storage job is going down: {who} did not answer within "
-            f"{self.config.peer_timeout:.0f}s (a link down, a daemon stopped or dead); what is "
-            "protected stays on every host: relaunch the storage job, then put again",
+            f"the storage job is going down: {why}; what is protected stays on every host: "
+            "relaunch the storage job, then put again",
             silent,
         )
         with self.cond:

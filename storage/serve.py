@@ -17,18 +17,21 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from storage import limits
+from storage import limits, watch
 from storage.config import DEFAULT_ROOT, ServeConfig
 from storage.daemon import Daemon
 from storage.errors import ConfigError, DaemonFailedError
 from storage.faults import FaultSpecError, Hooks
 from storage.host import log
+from storage.watch import Watch
 from transport.errors import PeerTimeoutError
+from transport.mpi import halt
 
 __all__ = ["main", "parse_args"]
 
@@ -256,9 +259,20 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    ring: Watch | None = None
     try:
         daemon.start()
+        if watch.wanted(os.environ):
+            ring = Watch(
+                daemon.host.name,
+                lambda host: _peer_gone(daemon, host),
+                config.peer_timeout,
+                daemon.host.log,
+            )
+            ring.start(daemon.host.links, config.virtual_hosts is not None)
         code = daemon.run()
+        if ring is not None:
+            ring.bye()
         log(daemon.host.name, f"stopped; state stays in {daemon.host.dir}")
         return code
     except ConfigError as exc:
@@ -266,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(2)
         return 2
     except PeerTimeoutError as exc:
+        if ring is not None:
+            ring.bye()  # going down, not dead: the neighbours hear of the silent hosts by MPI
         told = daemon.host.going_down(exc)
         log(daemon.host.name, f"{exc}; {told}")
         time.sleep(0.5)  # the trainers' waits hear why before the job goes
@@ -277,6 +293,21 @@ def main(argv: list[str] | None = None) -> int:
         return _abort(comm, 4)
     finally:
         daemon.close()
+
+
+def _peer_gone(daemon: Any, host: str) -> None:
+    """The peer watch heard ``host``'s daemon go (storage.watch): no more MPI calls here (one
+    touching the dead peer may crash inside MPI), every waiting trainer and ``health.json`` are
+    told, and the daemon exits 3, as after a peer timeout. The telling runs on a thread of its
+    own with a deadline: a lock held by a thread parked in MPI must not keep the daemon alive."""
+    halt()
+    told: list[Any] = []
+    t = threading.Thread(target=lambda: told.append(daemon.host.lost_peer(host)), daemon=True)
+    t.start()
+    t.join(2.0)
+    log(daemon.host.name, f"{told[0] if told else f'host {host} is gone'}; exiting (3)")
+    time.sleep(0.5)  # the trainers' waits hear why before the daemon goes
+    os._exit(3)
 
 
 def _abort(comm: Any, code: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,23 @@ import numpy as np
 
 from transport.errors import PeerTimeoutError
 
-__all__ = ["Counters", "Gathering", "Links", "pieces", "single_copy_off"]
+__all__ = ["Counters", "Gathering", "Links", "halt", "pieces", "single_copy_off"]
+
+# Set once a peer is known dead (storage.watch): a call into MPI that touches a dead peer can
+# crash inside MPI (seen under srun: a segmentation fault), so every thread that would make one
+# parks instead while the process says why and exits.
+_HALT = threading.Event()
+
+
+def halt() -> None:
+    """No MPI call from this process from now on: a thread about to make one sleeps for good."""
+    _HALT.set()
+
+
+def _check() -> None:
+    while _HALT.is_set():
+        time.sleep(3600)
+
 
 DEFAULT_PIECE = 64 << 20
 CONTROL_SPIN = 64  # polls a busy control wait makes before it naps (tens of us)
@@ -181,6 +198,7 @@ class Links:
         tries = 0
         left = len(reqs)
         while not MPI.Request.Testall(reqs):
+            _check()
             tries += 1
             if tries <= spin:
                 continue
@@ -218,6 +236,7 @@ class Links:
         stalled: float | None = None
         napping = False
         while pending:
+            _check()
             done = MPI.Request.Testsome(pending)
             if done is None:
                 if arrived is not None:  # every request was complete already
@@ -272,6 +291,7 @@ class Links:
 
         deadline = time.monotonic() + self.timeout
         while True:
+            _check()
             done = [key for key, reqs in groups.items() if MPI.Request.Testall(reqs)]
             if done:
                 for key in done:
@@ -285,6 +305,7 @@ class Links:
 
     def isend(self, buf: Any, dest: int, tag: int) -> list[Any]:
         """Post the sends of ``buf`` (a contiguous buffer) to ``dest`` in pieces."""
+        _check()
         view = _bytes(buf)
         self.counters.sent += view.nbytes
         reqs = [
@@ -296,6 +317,7 @@ class Links:
 
     def irecv(self, buf: Any, source: int, tag: int) -> list[Any]:
         """Post the receives into ``buf`` (writable, contiguous) from ``source``, cut as sent."""
+        _check()
         view = _bytes(buf)
         self.counters.received += view.nbytes
         reqs = [
@@ -317,6 +339,7 @@ class Links:
     def start_allgather_json(self, obj: Any) -> Gathering:
         """Post the first half of :meth:`allgather_json` (the sizes), to be waited on with other
         requests; :meth:`finish_allgather_json` completes it once they are done."""
+        _check()
         payload = np.frombuffer(json.dumps(obj, separators=(",", ":")).encode(), dtype=np.uint8)
         sizes = np.zeros(self.size, dtype=np.int64)
         mine = np.array([payload.nbytes], dtype=np.int64)
@@ -331,6 +354,7 @@ class Links:
         out = np.empty(max(total, 1), dtype=np.uint8)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         counts = sizes.astype(np.int64)
+        _check()
         req = self.comm.Iallgatherv(
             [payload, payload.nbytes, _byte()],
             [out, (counts.tolist(), displs.tolist()), _byte()],
@@ -347,6 +371,7 @@ class Links:
         "max"); returns the requests to wait on and the array the result lands in."""
         from mpi4py import MPI
 
+        _check()
         out = np.empty_like(values)
         req = self.comm.Iallreduce(values, out, op=MPI.SUM if op == "sum" else MPI.MAX)
         self.counters.gathered += out.nbytes
@@ -365,6 +390,7 @@ class Links:
         this pings every other and answers theirs; a rank cut off, stopped or dead does not."""
         from mpi4py import MPI
 
+        _check()
         others = [r for r in range(self.size) if r != self.rank]
         out = np.ones(1, dtype=np.uint8)
         inbox = {r: np.zeros(1, dtype=np.uint8) for r in others}
@@ -382,6 +408,7 @@ class Links:
         return silent
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        _check()
         self.wait([self.comm.Ibarrier()], what, timeout)
 
 
