@@ -86,6 +86,9 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.up()
         yield cluster
     finally:
+        keep = os.environ.get("ECSNAP_KEEP_SLURM_LOGS")  # a directory: the run's logs go there
+        if keep:
+            shutil.copytree(cluster.dir, keep, dirs_exist_ok=True, ignore_dangling_symlinks=True)
         cluster.down()
         lab.down()
 
