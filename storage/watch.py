@@ -5,9 +5,9 @@ kills the others. Under ``srun --mpi=pmi2`` nothing does, and the others' next M
 touches the dead peer crashes inside MPI (a segmentation fault in their round's collective,
 with ``health.json`` left saying "healthy": measured on the Slurm lab, ``tests/slurm``).
 
-So, when no Hydra proxy supervises the daemon (no ``HYDI_CONTROL_FD``), each daemon keeps one TCP
-connection to the next daemon of the job and accepts one from the previous (a ring: two
-descriptors a daemon, whatever the job's size). A daemon that dies has both closed by the
+So, when no Hydra proxy supervises the daemon (none of its variables is set), each daemon
+keeps one TCP connection to the next daemon of the job and accepts one from the previous (a
+ring: two descriptors a daemon, whatever the job's size). A daemon that dies has both closed by the
 kernel, so its two neighbours hear at once. A neighbour then stops this process's MPI calls
 (:func:`transport.mpi.halt`), tells the next daemon round the ring which host is gone, and hands
 the host's name to ``gone`` (``ecsnap serve``: ``PeerUnreachableError`` naming it for every
@@ -31,23 +31,27 @@ from typing import Any
 __all__ = ["Watch", "wanted"]
 
 
+# what a Hydra proxy sets in the ranks it starts (HYDI_CONTROL_FD only with the fork launcher;
+# MPI_LOCALNRANKS with every launcher, ssh and slurm too); Slurm's own PMI sets neither
+_HYDRA = ("HYDI_CONTROL_FD", "MPI_LOCALNRANKS")
+
+
 def wanted(environ: dict[str, str] | os._Environ[str]) -> bool:
     """Whether this daemon needs the watch: no Hydra proxy started it (or ``ECSNAP_WATCH=1``)."""
     forced = environ.get("ECSNAP_WATCH")
     if forced is not None:
         return forced == "1"
-    return "HYDI_CONTROL_FD" not in environ
+    return not any(v in environ for v in _HYDRA)
 
 
 def _addresses(virtual: bool) -> list[str]:
-    """The IPv4 addresses peers may reach this host at: loopback for virtual hosts, else the
-    host name's, then every interface's but loopback."""
+    """The IPv4 addresses peers may reach this host at: loopback for virtual hosts, else every
+    interface's but loopback. No name is looked up: a resolver that does not answer held the
+    daemons for seconds before their rounds began (seen on the lab, whose host names no
+    resolver knows)."""
     if virtual:
         return ["127.0.0.1"]
     out: list[str] = []
-    with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            out.append(str(info[4][0]))
     import fcntl
     import struct
 

@@ -16,6 +16,7 @@ from storage import watch
 def test_who_needs_the_watch() -> None:
     assert watch.wanted({"PMI_FD": "3", "SLURM_STEP_ID": "1"})  # srun --mpi=pmi2
     assert not watch.wanted({"HYDI_CONTROL_FD": "7", "PMI_FD": "9"})  # a Hydra proxy's child
+    assert not watch.wanted({"MPI_LOCALNRANKS": "1", "PMI_FD": "9"})  # Hydra's ssh launcher
     assert watch.wanted({"HYDI_CONTROL_FD": "7", "ECSNAP_WATCH": "1"})
     assert not watch.wanted({"ECSNAP_WATCH": "0"})
 
