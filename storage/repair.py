@@ -86,13 +86,22 @@ class Repairer:
             name = rec.parity.get(h.slot)
             buf = h.file(name, n * cb) if name else None
             for i in range(n):
-                if buf is None or i >= len(parity_crc):
-                    h.stats["missing_chunks"] += 1
-                    e.parity.add(i)
-                elif checksum(buf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]:
-                    h.stats["checksum_failures"] += 1
+                view = None if buf is None else buf.file.array[i * cb : (i + 1) * cb]
+                if self._fails(view, parity_crc, i):
                     e.parity.add(i)
         return e
+
+    def _fails(self, data: np.ndarray[Any, Any] | None, crcs: list[int], i: int) -> bool:
+        """Whether chunk ``i``, its bytes ``data`` (None: no file), is missing (or has no
+        checksum ``crcs[i]`` to match) or fails its checksum; counted as ``missing_chunks`` or
+        ``checksum_failures``."""
+        if data is None or i >= len(crcs):
+            self.host.stats["missing_chunks"] += 1
+            return True
+        if checksum(data) != crcs[i]:
+            self.host.stats["checksum_failures"] += 1
+            return True
+        return False
 
     def lost_chunks(self, rec: StepRec, rank: int) -> list[int]:
         """Blob chunk indexes of ``rank``'s shard here that are missing or fail their checksum
@@ -151,29 +160,26 @@ class Repairer:
         n = len(layout.parity_stripes[pos])
         name = rec.parity.get(h.slot)
         pbuf = h.file(name, n * cb) if name and n else None
+        shards: dict[int, Any] = {}  # rank -> its shard's buffer here (one look at its file)
         for s, (_, sources) in plan.stripes.items():
             for a in sources:
                 if holder(layout, s, a) != pos:
                     continue
                 if a >= layout.k:
                     i = layout.parity_slot(pos, s)
-                    if pbuf is None or i >= len(parity_crc):
-                        h.stats["missing_chunks"] += 1
-                        bad.parity.add(i)
-                    elif checksum(pbuf.file.array[i * cb : (i + 1) * cb]) != parity_crc[i]:
-                        h.stats["checksum_failures"] += 1
+                    view = None if pbuf is None else pbuf.file.array[i * cb : (i + 1) * cb]
+                    if self._fails(view, parity_crc, i):
                         bad.parity.add(i)
                     continue
                 c = layout.data_chunk(s, a)
                 if c is None:
                     continue  # a pad chunk: zeros, nothing stored
                 ref = rec.blobs[h.slot].chunks[c]
-                buf = h.shard_buffer(rec, ref.rank)
-                if buf is None or c >= len(data_crc):
-                    h.stats["missing_chunks"] += 1
-                    bad.data.add(c)
-                elif checksum(buf.file.array[ref.offset : ref.offset + ref.length]) != data_crc[c]:
-                    h.stats["checksum_failures"] += 1
+                if ref.rank not in shards:
+                    shards[ref.rank] = h.shard_buffer(rec, ref.rank)
+                buf = shards[ref.rank]
+                view = None if buf is None else buf.file.array[ref.offset : ref.offset + ref.length]
+                if self._fails(view, data_crc, c):
                     bad.data.add(c)
         return bad
 
@@ -532,7 +538,7 @@ class Repairer:
         rid = h.next_id("r")
         with h.lock:
             rec = h.catalog.steps.get(step)
-            k = next(g.k for g in h.groups if slot in g.slots)
+            k = h.catalog.group_of[slot].k
         extra = allowance(moved_bytes(rec, k, {slot: Erasures(set(data))})) if rec else 0.0
         h.emit(Repair(rid, step, slot, data))
         # as long as the group's rounds may take for it (Rounds.allowance)

@@ -321,7 +321,7 @@ class Rounds:
                     continue
                 if raw.get("e") == "repair":
                     slot = int(raw["slot"])
-                    g = next(g for g in h.groups if slot in g.slots)
+                    g = h.catalog.group_of[slot]
                     erased = {slot: Erasures(set(raw["data"]), set(raw.get("parity", [])))}
                     by_group[g.index] = by_group.get(g.index, 0) + moved_bytes(rec, g.k, erased)
                 elif raw.get("e") == "fetch" and int(raw["rank"]) in rec.shards:

@@ -29,7 +29,6 @@ from storage.daemon import Daemon
 from storage.errors import ConfigError, DaemonFailedError
 from storage.faults import FaultSpecError, Hooks
 from storage.host import log
-from storage.watch import Watch
 from transport.errors import PeerTimeoutError
 from transport.mpi import halt
 
@@ -259,11 +258,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    ring: Watch | None = None
+    ring: watch.Watch | None = None
     try:
         daemon.start()
         if watch.wanted(os.environ):
-            ring = Watch(
+            ring = watch.Watch(
                 daemon.host.name,
                 lambda host: _peer_gone(daemon, host),
                 config.peer_timeout,
