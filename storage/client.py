@@ -235,20 +235,32 @@ class Store:
                     conn.close()
                 last = exc
             if time.monotonic() >= deadline:
-                live = discovery.answering(self.socket_path.parent.parent)
-                raise DaemonUnavailableError(
-                    f"no ecsnap daemon for job {self.job!r} on host {self.host!r} answered at "
-                    f"{self.socket_path} within {self.timeout:.0f}s ({last}); "
-                    + (
-                        f"daemons of this job answer on host(s) {', '.join(live)}: pass host= "
-                        "or set ECSNAP_HOST to one of them (virtual hosts: the names given to "
-                        "--virtual-hosts)"
-                        if live
-                        else f"start it with `mpiexec -n HOSTS ecsnap serve --job {self.job}`"
-                    )
-                )
+                raise DaemonUnavailableError(self._none_answered(last))
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+    def _none_answered(self, last: Exception | None) -> str:
+        """Why no daemon answered, and what to do: another host's daemon answers (a wrong host
+        name), this host's daemon ended (the storage job is down), or none ever ran here."""
+        said = (
+            f"no ecsnap daemon for job {self.job!r} on host {self.host!r} answered at "
+            f"{self.socket_path} within {self.timeout:.0f}s ({last}); "
+        )
+        live = discovery.answering(self.socket_path.parent.parent)
+        if live:
+            return said + (
+                f"daemons of this job answer on host(s) {', '.join(live)}: pass host= or set "
+                "ECSNAP_HOST to one of them (virtual hosts: the names given to --virtual-hosts)"
+            )
+        gone = discovery.ended(self.socket_path.parent)
+        if gone is not None:
+            return said + (
+                f"the daemon that served this host has ended ({gone}) and no other took its "
+                "place: the storage job is down (under mpirun, Hydra stops every daemon when "
+                "one dies). Launch it again with the same job name: the hosts that kept their "
+                "files give the snapshot back, and a host that lost them is rebuilt"
+            )
+        return said + f"start it with `mpiexec -n HOSTS ecsnap serve --job {self.job}`"
 
     def _reconnect(self) -> None:
         """A fresh connection and hello in place of the current one (holding ``_lock``)."""

@@ -9,12 +9,13 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 from storage.config import check_name
 from storage.errors import DaemonUnavailableError
 from transport import control
 
-__all__ = ["answering", "env_int", "host_of", "jobs"]
+__all__ = ["alive", "answering", "ended", "env_int", "host_of", "jobs"]
 
 
 def process_stat(pid: int | str) -> list[str] | None:
@@ -25,6 +26,34 @@ def process_stat(pid: int | str) -> list[str] | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()
+
+
+def alive(health: dict[str, Any]) -> bool:
+    """Whether the process ``health.json`` names still runs on this machine: its pid, with the
+    start time it wrote (a later process given the same pid is another)."""
+    pid, start = health.get("pid"), health.get("pid_start")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    fields = process_stat(pid)
+    if fields is None or fields[0] == "Z":
+        return False  # gone, or exited and not yet reaped
+    return start is None or int(fields[19]) == start
+
+
+def ended(host_dir: Path) -> str | None:
+    """What a host's ``health.json`` says of a daemon that no longer runs (its pid gone), or
+    None: no such file, or its daemon is alive."""
+    try:
+        health = json.loads((host_dir / "health.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(health, dict) or alive(health):
+        return None
+    said = health.get("health")
+    why = f"; its health.json says {said!r}" if said not in (None, "healthy") else ""
+    if health.get("reason"):
+        why += f": {health['reason']}"
+    return f"pid {health.get('pid')}{why}"
 
 
 def env_int(*names: str) -> int | None:

@@ -58,18 +58,6 @@ def _from_daemon(host_dir: Path) -> dict[str, Any] | None:
     return reply
 
 
-def _alive(health: dict[str, Any]) -> bool:
-    """Whether the process ``health.json`` names still runs on this machine: its pid, with the
-    start time it wrote (a later process given the same pid is another)."""
-    pid, start = health.get("pid"), health.get("pid_start")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    fields = discovery.process_stat(pid)
-    if fields is None or fields[0] == "Z":
-        return False  # gone, or exited and not yet reaped
-    return start is None or int(fields[19]) == start
-
-
 def _host(host_dir: Path) -> dict[str, Any]:
     """One host directory's record: from its daemon when it answers, else from its files, with
     ``daemon`` "up", "not answering" (its process alive, its socket silent) or "gone"."""
@@ -77,7 +65,7 @@ def _host(host_dir: Path) -> dict[str, Any]:
     if answer is not None and answer.get("running"):
         return answer
     out = _from_files(host_dir)
-    alive = _alive(out.pop("_health", {}))
+    alive = discovery.alive(out.pop("_health", {}))
     out["daemon"] = "not answering" if alive or answer is not None else "gone"
     if out["daemon"] == "not answering":
         why = (answer or {}).get("silent") or "its socket does not answer"

@@ -93,6 +93,8 @@ def test_a_repair_checks_what_it_reads_and_rebuilds_a_bad_source_too(shm_root: P
         log = c.log.read_text()
         assert "on host1 that its repair would read fail their checksums" in log, log[-3000:]
         assert "rebuilt chunks fail their checksums" not in log
+        # host1 ends its part of the repair just after host0 answers the read
+        _until("host1 counts the repair", lambda: stores[1].info()["stats"]["rebuilds"] >= 1, 30)
         stats = stores[1].info()["stats"]
         assert stats["checksum_failures"] >= 1 and stats["rebuilds"] == 1, stats
         # host1's chunks in other stripes are still bad: its own read repairs those

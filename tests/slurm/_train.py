@@ -1,7 +1,7 @@
 """The trainer the Slurm test runs in place of the README's ``train.py`` (under torchrun, one per
 node): reads the newest step if there is one (checked bit for bit against what its rank put),
 puts steps, then waits for the test and puts once more, recording what it saw in
-``$ECSNAP_TEST_OUT/rank<R>-<phase>.json``."""
+``$ECSNAP_TEST_OUT/rank<R>-<phase>.json``, and exits when the test says it read them."""
 
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def main() -> int:
     except storage.StorageError as exc:
         rec["after"] = f"{type(exc).__name__}: {exc}"
     save()
+    # exit once the test has read every rank's record: a trainer that exits first makes
+    # torchrun end the others' before they write theirs
+    done = out / f"done-{phase}"
+    deadline = time.monotonic() + 120
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     return 0 if rec["after"] == "protected" else 1
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
 import socket
+import subprocess
 import threading
 import warnings
 from pathlib import Path
@@ -59,6 +62,29 @@ def test_nobody_listening(tmp_path: Path) -> None:
     stale.bind(str(host / "ctl.sock"))  # a socket file nobody listens on: a dead daemon's
     stale.close()
     with pytest.raises(DaemonUnavailableError, match="no ecsnap daemon"):
+        storage.connect("job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.2)
+
+
+def test_a_daemon_that_ended_is_named_in_the_error(tmp_path: Path) -> None:
+    """A host whose ``health.json`` names a process that is gone (its daemon was killed, as
+    Hydra kills every daemon of a job when one dies): the error says the storage job is down
+    and to launch it again, not to start one as if none had ever run; a live process named
+    there gets the usual words."""
+    host = tmp_path / "job" / "host0"
+    host.mkdir(parents=True, mode=0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(host / "ctl.sock"))
+    stale.close()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (host / "health.json").write_text(json.dumps({"pid": dead.pid, "health": "healthy"}))
+    with pytest.raises(DaemonUnavailableError) as err:
+        storage.connect("job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.2)
+    text = str(err.value)
+    assert f"the daemon that served this host has ended (pid {dead.pid})" in text, text
+    assert "Launch it again with the same job name" in text and "start it with" not in text
+    (host / "health.json").write_text(json.dumps({"pid": os.getpid(), "health": "healthy"}))
+    with pytest.raises(DaemonUnavailableError, match="start it with `mpiexec"):
         storage.connect("job", rank=0, world_size=1, host="host0", root=tmp_path, timeout=0.2)
 
 
