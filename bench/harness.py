@@ -8,7 +8,8 @@ bit-exact comparer.
     cluster.stop()                                    # SIGTERM; returns mpiexec's exit status
 
 Ranks in processes of their own run ``python -m MODULE '<json spec>'`` through
-:meth:`Cluster.processes`; each prints one JSON line of results last.
+:meth:`Cluster.processes` (forked from a server that imported torch once: :mod:`bench.forks`);
+each prints one JSON line of results last.
 """
 
 from __future__ import annotations
@@ -144,36 +145,33 @@ class Cluster:
     def processes(
         self, module: str, specs: list[dict[str, Any]], timeout: float = 120.0
     ) -> list[dict[str, Any]]:
-        """Run ``python -m module SPEC`` once per spec, all at once; return each one's last JSON
-        line. A process that fails or outlives ``timeout`` fails the call with its stderr and the
-        daemons' log."""
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", module, json.dumps(spec)],
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for spec in specs
-        ]
+        """Run ``python -m module SPEC`` once per spec, all at once, each a process of its own
+        forked from a server that imported torch once (:mod:`bench.forks`); return each one's
+        last JSON line. A process that fails or outlives ``timeout`` fails the call with its
+        stderr and the daemons' log."""
+        from bench import forks
+
+        runs = [forks.start(module, [json.dumps(spec)]) for spec in specs]
         results = []
         deadline = time.monotonic() + timeout
-        for i, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _reap(procs)
-                raise AssertionError(
-                    f"{module} process {i} hung; daemon log:\n{self.log.read_text()}"
-                ) from None
-            if p.returncode != 0:
-                _reap(procs)
-                raise AssertionError(
-                    f"{module} process {i} failed ({p.returncode}):\n{err}\n--- daemons:\n"
-                    f"{self.log.read_text()}"
-                )
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        try:
+            for i, run in enumerate(runs):
+                code = run.wait(max(1.0, deadline - time.monotonic()))
+                if code is None:
+                    raise AssertionError(
+                        f"{module} process {i} hung; daemon log:\n{self.log.read_text()}"
+                    )
+                out, err = run.output()
+                if code != 0:
+                    raise AssertionError(
+                        f"{module} process {i} failed ({code}):\n{err}\n--- daemons:\n"
+                        f"{self.log.read_text()}"
+                    )
+                results.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for run in runs:
+                run.kill()
+                run.output()
         return results
 
     @property

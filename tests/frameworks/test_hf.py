@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.harness import REPO, Cluster, assert_same
+from bench import forks
+from bench.harness import Cluster, assert_same
 
 
 def _run(spec: dict[str, Any], killed: bool) -> dict[str, Any] | None:
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.frameworks._hf_run", json.dumps(spec)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = forks.start("tests.frameworks._hf_run", [json.dumps(spec)])
+    code = run.wait(300)
+    run.kill()
+    out = subprocess.CompletedProcess(run.module, run.wait(), *run.output())
+    assert code is not None, f"the run did not end in 300 s:\n{out.stdout}{out.stderr}"
     if killed:
         assert out.returncode == -9, out.stdout + out.stderr
         return None
