@@ -53,7 +53,7 @@ def main() -> int:
     deadline = time.monotonic() + 300
     while not go.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    store.timeout = 20.0  # what is said once the storage job is gone comes sooner
+    store.timeout = 5.0  # what is said once the storage job is gone comes sooner
     try:
         store.put(steps[-1] + 1, state(rank, steps[-1] + 1)).wait(120)
         rec["after"] = "protected"
