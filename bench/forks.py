@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = ["Forked", "start"]
 
+REPO = Path(__file__).resolve().parent.parent
 # lightning takes 3.5 s more of CPU to import than torch: once here, not in each Lightning run
 PRELOAD = ["torch", "numpy", "storage", "bench.harness", "lightning"]
 _context: ForkServerContext | None = None
@@ -144,6 +145,4 @@ def start(
 ) -> Forked:
     """Fork ``python -m module *argv`` from the preloaded server (``env``: this process's
     environment now unless given; ``cwd``: the repository)."""
-    from bench.harness import REPO
-
     return Forked(module, argv, env, cwd or REPO)
