@@ -319,6 +319,14 @@ def _made_by_others(name: str, pids: set[int]) -> bool:
     return pid is not None and pid not in pids
 
 
+def _leaked(root: Path, before: set[str], pids: set[int]) -> set[str]:
+    """Files in /dev/shm outside the job root that were not there ``before`` and no live
+    process maps (tests run side by side: another job's, in use, are not this trial's)."""
+    new = {n for n in _shm_files(root) - before if not n.startswith("ecsnap-")}
+    new -= _mapped_shm()
+    return {n for n in new if not _made_by_others(n, pids)}
+
+
 def _job_pids(job: str, daemons_only: bool = False) -> list[int]:
     """Processes whose command line names ``job`` (the daemons; with mpiexec unless
     ``daemons_only``)."""
@@ -499,9 +507,10 @@ def trial(fault: str, root: Path, rng: random.Random, hosts: int = HOSTS) -> dic
         left = _job_pids(job.job)
         if left:
             problems.append(f"leftover processes: {left}")
-        new = {n for n in _shm_files(root) - before if not n.startswith("ecsnap-")}
-        new -= _mapped_shm()  # another job running on this machine holds those
-        new = {n for n in new if not _made_by_others(n, job.pids)}
+        new = _leaked(root, before, job.pids)
+        if new:  # another run's file between its creation and its mapping (or unlink)?
+            time.sleep(2.0)
+            new &= _leaked(root, before, job.pids)
         if new:
             problems.append(f"files left in /dev/shm outside the job root: {sorted(new)}")
         return _result(fault, job, problems, counts, km)
