@@ -153,6 +153,24 @@ class Demo:
     def train(
         self, *, store: bool, resume: bool, kill_at: int | None = None, label: str = ""
     ) -> dict[str, Any]:
+        """One run of the training job; launched again on another port when the one picked was
+        taken before rank 0 bound it (other programs on the machine pick free ports too)."""
+        from bench.harness import PORT_TRIES, _PortTaken
+
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._train(store=store, resume=resume, kill_at=kill_at, label=label)
+            except _PortTaken:
+                if attempt == PORT_TRIES - 1:
+                    raise RuntimeError(
+                        f"the trainers' rendezvous port was taken {PORT_TRIES} times"
+                    ) from None
+                print(f"{label}the rendezvous port was taken: launching again", flush=True)
+        raise AssertionError("unreachable")
+
+    def _train(
+        self, *, store: bool, resume: bool, kill_at: int | None = None, label: str = ""
+    ) -> dict[str, Any]:
         cfg = {
             "steps": self.a.steps,
             "seed": self.a.seed,
@@ -162,7 +180,7 @@ class Demo:
             "resume": resume,
             "fail_at": kill_at,
         }
-        from bench.harness import free_port
+        from bench.harness import _PORT_TAKEN, _PortTaken, free_port
 
         port = free_port()
         events: queue.Queue[tuple[int, dict[str, Any] | str]] = queue.Queue()
@@ -196,6 +214,10 @@ class Demo:
                 if ev == "<exit>":
                     code = trainers[rank].wait()
                     if code != 0 and out["killed"] is None:
+                        if any(m in line for line in logs.get(rank, []) for m in _PORT_TAKEN):
+                            for p in trainers:
+                                self.procs.kill(p)
+                            raise _PortTaken()
                         raise RuntimeError(
                             f"trainer {rank} exited with {code}:\n"
                             + "\n".join(logs.get(rank, [])[-30:])
