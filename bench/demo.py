@@ -155,21 +155,14 @@ class Demo:
     ) -> dict[str, Any]:
         """One run of the training job; launched again on another port when the one picked was
         taken before rank 0 bound it (other programs on the machine pick free ports too)."""
-        from bench.harness import PORT_TRIES, _PortTaken
+        from bench.harness import on_a_free_port
 
-        for attempt in range(PORT_TRIES):
-            try:
-                return self._train(store=store, resume=resume, kill_at=kill_at, label=label)
-            except _PortTaken:
-                if attempt == PORT_TRIES - 1:
-                    raise RuntimeError(
-                        f"the trainers' rendezvous port was taken {PORT_TRIES} times"
-                    ) from None
-                print(f"{label}the rendezvous port was taken: launching again", flush=True)
-        raise AssertionError("unreachable")
+        return on_a_free_port(
+            lambda port: self._train(store, resume, kill_at, label, port), f"{label}training"
+        )
 
     def _train(
-        self, *, store: bool, resume: bool, kill_at: int | None = None, label: str = ""
+        self, store: bool, resume: bool, kill_at: int | None, label: str, port: int
     ) -> dict[str, Any]:
         cfg = {
             "steps": self.a.steps,
@@ -180,9 +173,8 @@ class Demo:
             "resume": resume,
             "fail_at": kill_at,
         }
-        from bench.harness import _PORT_TAKEN, _PortTaken, free_port
+        from bench.harness import _PORT_TAKEN, _PortTaken
 
-        port = free_port()
         events: queue.Queue[tuple[int, dict[str, Any] | str]] = queue.Queue()
         trainers = []
         for rank in range(self.world):

@@ -21,13 +21,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Forked", "start"]
+__all__ = ["Forked", "run", "start"]
 
 REPO = Path(__file__).resolve().parent.parent
 # lightning takes 3.5 s more of CPU to import than torch: once here, not in each Lightning run
@@ -146,3 +147,16 @@ def start(
     """Fork ``python -m module *argv`` from the preloaded server (``env``: this process's
     environment now unless given; ``cwd``: the repository)."""
     return Forked(module, argv, env, cwd or REPO)
+
+
+def run(module: str, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``start``, then wait as ``subprocess.run(..., capture_output=True, text=True)`` would: the
+    exit status and output; a run still going after ``timeout`` is killed and raises
+    ``subprocess.TimeoutExpired`` with what it wrote."""
+    child = start(module, argv)
+    code = child.wait(timeout)
+    child.kill()
+    out, err = child.output()
+    if code is None:
+        raise subprocess.TimeoutExpired([module, *argv], timeout, out, err)
+    return subprocess.CompletedProcess([module, *argv], code, out, err)

@@ -26,9 +26,9 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ __all__ = [
 ]  # fmt: skip
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 DTYPES = [
     torch.float32,
@@ -217,10 +218,17 @@ def gloo_ranks(
     failed rank says so (rank 0 serves the store and fails at once; it is waited for first) is
     run again on another port, at most ``PORT_TRIES`` times. Each rank's stderr goes to a file,
     copied to this process's stderr once the ranks are done."""
+    return on_a_free_port(lambda port: _launch(module, spec, world, what, timeout, port), what)
+
+
+def on_a_free_port(launch: Callable[[int], T], what: str) -> T:
+    """``launch(port)`` on a port free when picked; launched again on another when it raises
+    :class:`_PortTaken` (the port was taken before the ranks bound it), at most
+    ``PORT_TRIES`` times."""
     for attempt in range(1, PORT_TRIES + 1):
         port = free_port()
         try:
-            return _launch(module, spec, world, what, timeout, port)
+            return launch(port)
         except _PortTaken:
             if attempt == PORT_TRIES:
                 raise RuntimeError(

@@ -7,7 +7,6 @@ checkpoint, and its losses to a run never interrupted."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,7 @@ from bench.harness import Cluster, assert_same
 
 
 def _run(spec: dict[str, Any], killed: bool) -> dict[str, Any] | None:
-    run = forks.start("tests.frameworks._hf_run", [json.dumps(spec)])
-    code = run.wait(300)
-    run.kill()
-    out = subprocess.CompletedProcess(run.module, run.wait(), *run.output())
-    assert code is not None, f"the run did not end in 300 s:\n{out.stdout}{out.stderr}"
+    out = forks.run("tests.frameworks._hf_run", [json.dumps(spec)], timeout=300)
     if killed:
         assert out.returncode == -9, out.stdout + out.stderr
         return None

@@ -6,7 +6,6 @@ process and with DDP on two."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,7 @@ from bench.harness import Cluster, assert_same
 
 
 def _run(spec: dict[str, Any], killed: bool) -> dict[str, Any] | None:
-    run = forks.start("tests.frameworks._lightning_run", [json.dumps(spec)])
-    code = run.wait(300)
-    run.kill()
-    out = subprocess.CompletedProcess(run.module, run.wait(), *run.output())
-    assert code is not None, f"the run did not end in 300 s:\n{out.stdout}{out.stderr}"
+    out = forks.run("tests.frameworks._lightning_run", [json.dumps(spec)], timeout=300)
     if killed:  # the run SIGKILLed itself (and with DDP, its peer died with it or did too)
         assert out.returncode != 0, out.stdout + out.stderr
         return None
